@@ -1,0 +1,19 @@
+"""fsdplab: a hands-on lab for PyTorch FSDP, run from a notebook on real ranks.
+
+Importing fsdplab starts nothing: no process, no CUDA, no process group.
+"""
+
+from .cluster import Cluster, RankDied, RankError, RankHang
+from .dist import backend, device, mesh, print0, rank, world_size
+
+__version__ = "0.1.0"
+
+__all__ = ["Cluster", "RankError", "RankHang", "RankDied", "rank", "world_size", "device", "mesh",
+           "print0", "backend", "load_ipython_extension"]
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext fsdplab` registers the %%ranks cell magic."""
+    from .magics import register
+
+    register(ipython)

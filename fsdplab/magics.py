@@ -1,0 +1,62 @@
+"""`%%ranks`: run a notebook cell on every rank of the running cluster.
+
+    %load_ext fsdplab
+    %%ranks                 # all ranks, the cluster's default timeout
+    %%ranks -t 30 -r 0,1    # 30 s timeout, ranks 0 and 1 only
+
+Output is printed as it arrives, each line labelled `[rank N]`. Variables a cell defines stay on the
+ranks for the next cell; `cluster.pull("name")` brings them to the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from .cluster import Cluster
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="%%ranks", add_help=False)
+    parser.add_argument("-t", "--timeout", type=float, default=None, help="seconds before RankHang")
+    parser.add_argument("-r", "--ranks", default=None, help="comma-separated ranks, e.g. 0,1")
+    parser.add_argument("-c", "--cluster", default=None, help="name of the Cluster variable to use")
+    return parser
+
+
+def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
+    try:
+        args = _parser().parse_args(shlex.split(line))
+    except SystemExit:
+        raise ValueError(f"%%ranks options not understood: {line!r}. Use -t SECONDS, -r 0,1, -c NAME.") from None
+    cluster = _find_cluster(args.cluster, user_ns or {})
+    ranks = None
+    if args.ranks:
+        try:
+            ranks = [int(r) for r in args.ranks.split(",")]
+        except ValueError:
+            raise ValueError(f"-r takes comma-separated rank numbers like 0,1; got {args.ranks!r}.") from None
+    cluster.execute(cell, timeout=args.timeout, ranks=ranks)
+
+
+def _find_cluster(name, user_ns: dict) -> Cluster:
+    if name is not None:
+        cluster = user_ns.get(name)
+        if not isinstance(cluster, Cluster):
+            raise ValueError(f"-c {name}: no fsdplab.Cluster named {name!r} in this notebook.")
+        return cluster
+    running = [v for v in user_ns.values() if isinstance(v, Cluster) and v._client is not None]
+    if not running and Cluster.current is not None and Cluster.current._client is not None:
+        running = [Cluster.current]
+    if not running:
+        raise ValueError("%%ranks needs a running cluster: first `cluster = fsdplab.Cluster(2).start()`.")
+    if len({id(c) for c in running}) > 1:
+        raise ValueError("several clusters are running: pick one with %%ranks -c NAME.")
+    return running[0]
+
+
+def register(ipython) -> None:
+    def ranks(line, cell):
+        ranks_magic(line, cell, ipython.user_ns)
+
+    ipython.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
