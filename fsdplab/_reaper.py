@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+import psutil
+
 
 def _pids(path):
     try:
@@ -18,14 +20,20 @@ def _pids(path):
         return []
 
 
+def _gone(kernel) -> bool:
+    # A killed kernel stays a zombie until its parent reaps it: that counts as gone.
+    try:
+        return kernel.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def main(kernel_pid: int, pidfile: str) -> None:
-    while True:
-        try:
-            os.kill(kernel_pid, 0)
-        except ProcessLookupError:
-            break
-        except PermissionError:
-            pass
+    try:
+        kernel = psutil.Process(kernel_pid)
+    except psutil.NoSuchProcess:
+        kernel = None
+    while kernel is not None and not _gone(kernel):
         time.sleep(0.5)
     for pid in _pids(pidfile):
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,7 +140,13 @@ class Cluster:
     [0, 1]
     """
 
-    current: "Cluster | None" = None  # the most recently started cluster (what %%ranks uses by default)
+    _latest = None  # weak reference to the most recently started cluster (what %%ranks uses by default)
+
+    @classmethod
+    def latest(cls) -> "Cluster | None":
+        """The most recently started cluster that is still running, if any."""
+        cluster = cls._latest() if cls._latest is not None else None
+        return cluster if cluster is not None and cluster._client is not None else None
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 120.0,
                  collective_timeout: float = 300.0, quiet: bool = False):
@@ -163,6 +170,7 @@ class Cluster:
         import ipyparallel as ipp
 
         t0 = time.perf_counter()
+        os.makedirs(self._workdir, exist_ok=True)
         threads = max(1, (os.cpu_count() or 1) // self.world_size) if self.backend == "gloo" else 4
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
         self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.ERROR, cluster_id=f"fsdplab-{os.getpid()}-{id(self)}",
@@ -172,13 +180,20 @@ class Cluster:
                                 controller_args=["--HeartMonitor.period=500"])
         self._ipp.config.LocalEngineSetLauncher.environment = env
         self._ipp.config.LocalControllerLauncher.environment = env
-        self._client = self._ipp.start_and_connect_sync(activate=False)
-        self._client.wait_for_engines(self.world_size, timeout=120)
+        self._ipp.start_cluster_sync()
+        self._client = self._ipp.connect_client_sync()
+        try:
+            self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
+        except TimeoutError:
+            _stop_ipp(self._ipp, None)
+            self._client = None
+            raise RuntimeError(f"{self.world_size} rank process(es) did not start within 120 s; see "
+                               f"the engine logs in {self._workdir}/profile/log, or try a smaller world_size.")
         self._client[:].use_cloudpickle()
         self._start_reaper()
         self._finalizer = weakref.finalize(self, _stop_ipp, self._ipp, self._reaper)
         self._join_group(threads)
-        Cluster.current = self
+        Cluster._latest = weakref.ref(self)
         if not self.quiet:
             print(f"fsdplab: {self.world_size} rank(s) ready on {self.backend} "
                   f"({'one GPU per rank' if self.backend == 'nccl' else f'CPU, {threads} thread(s) each'}) "
@@ -197,7 +212,8 @@ class Cluster:
             stack_file = os.path.join(self._workdir, f"stack-rank{rank}.txt")
             pending.append(self._client[eid].apply_async(
                 dist.setup, rank=rank, world_size=self.world_size, master_port=port, backend=self.backend,
-                collective_timeout_s=self.collective_timeout, num_threads=threads, stack_file=stack_file))
+                collective_timeout_s=self.collective_timeout, num_threads=threads, stack_file=stack_file,
+                sys_path=list(sys.path)))
         self._info = [ar.get(timeout=120) for ar in pending]
         # The launcher's own psutil.Process object is the one that reaps the engine, and psutil caches
         # the exit code on that object: use it, so RankDied can report the code.
@@ -227,7 +243,11 @@ class Cluster:
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
-        """Stop every rank process and the controller."""
+        """Stop every rank process and the controller, and remove the cluster's scratch folder."""
+        self._shutdown()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _shutdown(self) -> None:
         if self._client is None:
             return
         if self._broken is None:
@@ -255,7 +275,7 @@ class Cluster:
 
     def restart(self) -> "Cluster":
         """Kill the ranks (even stuck ones) and start a fresh group with the same settings."""
-        self.stop()
+        self._shutdown()
         return self.start()
 
     def __enter__(self):

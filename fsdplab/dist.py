@@ -62,8 +62,13 @@ def print0(*args, **kwargs) -> None:
 
 
 def setup(*, rank: int, world_size: int, master_port: int, backend: str, collective_timeout_s: float,
-          num_threads: int, stack_file: str) -> dict:
+          num_threads: int, stack_file: str, sys_path: list | None = None) -> dict:
     """Join the process group as `rank`. Runs once on each rank, all ranks at the same time."""
+    import sys
+
+    # Functions from the kernel's own modules (next to the notebook, a test folder) are pickled by
+    # reference: the ranks must be able to import what the kernel can.
+    sys.path[:0] = [p for p in (sys_path or []) if p not in sys.path]
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), OMP_NUM_THREADS=str(num_threads),

@@ -46,8 +46,8 @@ def _find_cluster(name, user_ns: dict) -> Cluster:
             raise ValueError(f"-c {name}: no fsdplab.Cluster named {name!r} in this notebook.")
         return cluster
     running = [v for v in user_ns.values() if isinstance(v, Cluster) and v._client is not None]
-    if not running and Cluster.current is not None and Cluster.current._client is not None:
-        running = [Cluster.current]
+    if not running and Cluster.latest() is not None:
+        running = [Cluster.latest()]
     if not running:
         raise ValueError("%%ranks needs a running cluster: first `cluster = fsdplab.Cluster(2).start()`.")
     if len({id(c) for c in running}) > 1:
