@@ -1,0 +1,339 @@
+"""Mixed-precision pitfalls under FSDP, each one measured on real tensors or real ranks.
+
+- fp16 has a tiny range (max 65504, smallest subnormal 6e-8): activations overflow, small gradients
+  underflow, and AdamW's eps=1e-8 is 0 in fp16. bf16 has fp32's range with fewer mantissa bits.
+- The optimizer keeps fp32 state only if the parameters it was built on are fp32: a model loaded in fp16
+  gets fp16 AdamW state.
+- `MixedPrecisionPolicy` / FSDP1 `MixedPrecision` cast every parameter, norm weights included, to
+  `param_dtype`; `reduce_dtype` only sets the dtype of the gradient reduction (FSDP1 exempts `_BatchNorm`
+  only). Norm modules compute their statistics in fp32 inside the kernel (or, in HF models, by an explicit
+  upcast), which is what keeps them stable, not `reduce_dtype`.
+- With sharded gradients each rank checks only its own shard for inf/nan: a loss scaler must agree across
+  ranks (all-reduce the found-inf flag), or ranks skip different steps.
+
+Functions that take no rank run anywhere; the `*_on_rank` ones run inside `cluster.run(...)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --- ranges ----------------------------------------------------------------------------------------
+
+def dtype_table() -> list:
+    """max, smallest normal, smallest subnormal and machine epsilon of fp32 / bf16 / fp16 (torch.finfo)."""
+    rows = []
+    for name, dt in DTYPES.items():
+        fi = torch.finfo(dt)
+        rows.append({"dtype": name, "max": fi.max, "smallest_normal": fi.tiny,
+                     "smallest_subnormal": fi.smallest_normal * fi.eps, "eps": fi.eps,
+                     "adam_eps_1e-8": torch.tensor(1e-8, dtype=dt).item()})
+    return rows
+
+
+def rms_in(dtype_name: str, scales, dim: int = 4096, seed: int = 0) -> list:
+    """Relative error of a naive RMS (sqrt(mean(x*x))) computed in `dtype_name`, for activations of RMS
+    `scale`; inf where x*x overflows. This is the sum a norm layer computes."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(dim, generator=gen, dtype=torch.float64)
+    out = []
+    for scale in scales:
+        x64 = base * scale
+        exact = x64.pow(2).mean().sqrt()
+        x = x64.to(DTYPES[dtype_name])
+        got = x.mul(x).mean().sqrt().double()
+        out.append(float("inf") if not torch.isfinite(got) else float((got - exact).abs() / exact))
+    return out
+
+
+def tiny_gradients(cfg=None, seed: int = 0) -> torch.Tensor:
+    """All non-zero gradient elements of one fp32 forward/backward of the tiny transformer (a flat tensor)."""
+    from .models import TinyConfig, TinyTransformer, random_batch
+
+    torch.manual_seed(seed)
+    cfg = cfg or TinyConfig()
+    model = TinyTransformer(cfg)
+    model.loss(*random_batch(cfg, 4, seed=seed)).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return grads[grads != 0]
+
+
+def underflow_fraction(grads: torch.Tensor, dtype_name: str, loss_scale: float = 1.0, shrink: float = 1.0) -> float:
+    """Fraction of non-zero fp32 gradients (times `shrink`) that are exactly 0 once cast to `dtype_name`
+    after multiplying by `loss_scale` (what a loss scaler does before backward)."""
+    g = grads.double() * shrink * loss_scale
+    cast = g.to(DTYPES[dtype_name])
+    return float((cast == 0).double().mean())
+
+
+def adam_state_dtypes(grad_value: float = 1e-4, lr: float = 1e-3) -> dict:
+    """AdamW on a small Linear wrapped in fp32 vs loaded in fp16, one step with all gradients = `grad_value`.
+
+    Returns each case's state dtype, v (exp_avg_sq) after the step, eps as stored in that dtype, and how many
+    parameters are no longer finite. In fp16, v = 0.001 * g^2 underflows to 0 and eps=1e-8 rounds to 0, so
+    the update m / (sqrt(v) + eps) divides by zero.
+    """
+    out = {}
+    for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
+        torch.manual_seed(0)
+        layer = nn.Linear(64, 64).to(dt)
+        opt = torch.optim.AdamW(layer.parameters(), lr=lr, eps=1e-8)
+        for p in layer.parameters():
+            p.grad = torch.full_like(p, grad_value)
+        opt.step()
+        state = opt.state[layer.weight]
+        out[name] = {"state_dtype": str(state["exp_avg"].dtype).replace("torch.", ""),
+                     "exp_avg": float(state["exp_avg"].flatten()[0]),
+                     "exp_avg_sq": float(state["exp_avg_sq"].flatten()[0]),
+                     "eps_in_dtype": torch.tensor(1e-8, dtype=dt).item(),
+                     "nonfinite_params": int(sum((~torch.isfinite(p)).sum() for p in layer.parameters())),
+                     "num_params": sum(p.numel() for p in layer.parameters())}
+    return out
+
+
+# --- norm layers under mixed precision -------------------------------------------------------------
+
+def is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)) or \
+        type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def probe_norms(model: nn.Module, records: list, print_rank: int | None = None) -> list:
+    """Forward hooks on every norm module that append (name, weight dtype, input dtype, output dtype) to
+    `records` while forward runs, so what is read is what the kernel received. print_rank: also print each
+    record on that rank (-1: every rank). Returns the hook handles."""
+    handles = []
+    for name, module in model.named_modules():
+        if not is_norm(module):
+            continue
+
+        def hook(mod, args, output, name=name):
+            weight = getattr(mod, "weight", None)
+            row = {"module": name, "weight": str(weight.dtype).replace("torch.", "") if weight is not None else "-",
+                   "input": str(args[0].dtype).replace("torch.", ""),
+                   "output": str(output.dtype).replace("torch.", "")}
+            records.append(row)
+            if print_rank is not None and (print_rank < 0 or _rank() == print_rank):
+                print(f"inside forward: {name:<14} weight {row['weight']:<9} input {row['input']:<9} "
+                      f"output {row['output']}", flush=True)
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32", keep_norms_fp32: bool = False,
+                        cfg=None, verbose: bool = True) -> list:
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=reduce_precision) on the tiny
+    transformer; one forward; the dtypes every norm layer saw, read from inside forward.
+
+    keep_norms_fp32: shard each norm as its own FSDP2 unit with an fp32 policy first (inputs cast up to fp32,
+    outputs back to `precision`): the way to actually run norms in fp32 under FSDP2.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .dist import mesh, rank
+    from .models import TinyConfig, random_batch
+    from .parallel import apply_fsdp, build_tiny
+
+    cfg = cfg or TinyConfig()
+    model = build_tiny(cfg)
+    if keep_norms_fp32:
+        # Inputs are cast up to fp32 on the way in; output_dtype casts the result back down, since the
+        # next Linear runs in `precision` and refuses an fp32 input.
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                    output_dtype=DTYPES[precision], cast_forward_inputs=True)
+        for module in [m for m in model.modules() if is_norm(m)]:
+            fully_shard(module, mesh=mesh(), mp_policy=fp32)
+    apply_fsdp(model, mesh(), precision=precision, reduce_precision=reduce_precision)
+    records = []
+    probe_norms(model, records, print_rank=-1 if verbose else None)
+    tokens, _ = random_batch(cfg, 2, seed=rank())
+    with torch.no_grad():
+        model(tokens)
+    return records
+
+
+def fsdp1_mixed_precision_on_rank(cfg=None) -> dict:
+    """The posts' FSDP1 call `FSDP(model, mixed_precision=torch.float16)`, and the correct one.
+
+    FSDP1 refuses a CPU rank unless `device_id=cpu` is passed explicitly; with it, construction and a forward
+    run (enough for this check; FSDP1 on CPU is not a supported training setup). Returns the error the posts'
+    argument raises and the norm dtypes seen inside forward with `MixedPrecision(param_dtype=fp16,
+    reduce_dtype=fp32)`.
+    """
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+    from .dist import device, rank
+    from .models import TinyConfig, random_batch
+    from .parallel import build_tiny
+
+    warnings.filterwarnings("ignore", module="torch.distributed.fsdp")
+    cfg = cfg or TinyConfig()
+    out = {}
+    try:
+        FSDP(build_tiny(cfg, device=device()), mixed_precision=torch.float16, device_id=device())
+        out["posts_call"] = "no error"
+    except Exception as e:  # noqa: BLE001 - showing whatever the posts' call raises is the point
+        out["posts_call"] = f"{type(e).__name__}: {e}"
+    policy = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    model = FSDP(build_tiny(cfg, device=device()), mixed_precision=policy, device_id=device())
+    records = []
+    probe_norms(model, records)
+    tokens, _ = random_batch(cfg, 2, seed=rank(), device=device())
+    with torch.no_grad():
+        model(tokens)
+    out["norms"] = records
+    return out
+
+
+# --- gradient reduction precision ------------------------------------------------------------------
+
+def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0, cfg=None, seed: int = 0,
+                         batch_size: int = 4) -> dict:
+    """Gradients of one step under FSDP2 with fp32 compute and `reduce_precision` reduce-scatter, against a
+    float64 reference (each rank's fp32 local gradient, summed in float64 and averaged).
+
+    The loss is multiplied by `loss_scale` (as a loss scaler does) and the gradients divided back, so the
+    only difference from the reference is the reduction dtype. Returns the relative L2 error, the fraction
+    of non-zero reference elements that arrive as 0 and the count of non-finite elements; equal on all ranks.
+    """
+    import torch.distributed as dist
+
+    from .dist import mesh, rank, world_size
+    from .models import TinyConfig, random_batch
+    from .parallel import apply_fsdp, build_tiny
+
+    cfg = cfg or TinyConfig()
+    tokens, targets = random_batch(cfg, batch_size, seed=seed + rank())
+    reference = build_tiny(cfg, seed=seed)
+    (reference.loss(tokens, targets) * loss_scale).backward()
+    ref = [p.grad.double() / loss_scale for p in reference.parameters()]
+    for g in ref:
+        dist.all_reduce(g)
+        g /= world_size()
+    model = apply_fsdp(build_tiny(cfg, seed=seed), mesh(), precision="fp32", reduce_precision=reduce_precision)
+    (model.loss(tokens, targets) * loss_scale).backward()
+    got = [p.grad.full_tensor().double() / loss_scale for p in model.parameters()]
+    ref_flat, got_flat = torch.cat([g.flatten() for g in ref]), torch.cat([g.flatten() for g in got])
+    finite = torch.isfinite(got_flat)
+    nonzero = ref_flat != 0
+    return {"reduce": reduce_precision, "world_size": world_size(), "loss_scale": loss_scale,
+            "rel_error": float((got_flat[finite] - ref_flat[finite]).norm() / ref_flat[finite].norm()),
+            "flushed_to_zero": float(((got_flat == 0) & nonzero).double().sum() / nonzero.sum()),
+            "nonfinite": int((~finite).sum())}
+
+
+# --- loss scaling across ranks ---------------------------------------------------------------------
+
+def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step: int = 1, inf_rank: int = 1,
+                             cfg=None, seed: int = 0) -> dict:
+    """FSDP1 (each rank owns one flat gradient shard) + a loss scaler; at `inf_step` rank `inf_rank` finds an
+    inf in its own gradient shard (as an fp16 overflow would put there).
+
+    scaler="per-rank": torch.amp.GradScaler, which checks only this rank's shard; "agree":
+    ShardedGradScaler, which all-reduces the found-inf flag so every rank skips the same steps.
+    Returns, per step, this rank's scale and whether its shard changed, plus a checksum of its shard.
+    FSDP1 on a CPU rank needs `device_id=cpu` (not a supported training setup; enough for these steps).
+    """
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from .dist import device, rank
+    from .models import TinyConfig, random_batch
+    from .parallel import build_tiny
+
+    if scaler not in ("per-rank", "agree"):
+        raise ValueError(f"scaler must be 'per-rank' or 'agree', got {scaler!r}.")
+    warnings.filterwarnings("ignore", module="torch.distributed.fsdp")
+    cfg = cfg or TinyConfig()
+    dev = device()
+    model = FSDP(build_tiny(cfg, seed=seed, device=dev), device_id=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp_scaler = (torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16) if scaler == "per-rank"
+                  else ShardedGradScaler(dev.type, init_scale=2.0 ** 16))
+    flat = next(model.parameters())
+    scales, changed, checksums = [], [], []
+    for step in range(steps):
+        tokens, targets = random_batch(cfg, 4, seed=seed + 1000 * step + rank(), device=dev)
+        logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        amp_scaler.scale(loss).backward()
+        if step == inf_step and rank() == inf_rank:
+            with torch.no_grad():
+                flat.grad.view(-1)[0] = float("inf")
+        before = flat.detach().clone()
+        amp_scaler.step(opt)
+        amp_scaler.update()
+        opt.zero_grad(set_to_none=True)
+        scales.append(float(amp_scaler.get_scale()))
+        changed.append(not torch.equal(before, flat.detach()))
+        checksums.append(float(flat.detach().double().sum()))
+    return {"scaler": scaler, "rank": rank(), "scales": scales, "stepped": changed, "checksums": checksums}
+
+
+# --- training curves -------------------------------------------------------------------------------
+
+CURVE_MODES = ("fp32", "bf16", "fp16", "fp16+scaler", "fp16 model")
+
+
+def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float = 3e-3, seed: int = 0,
+                        batch_size: int = 4) -> list:
+    """Loss per step of the tiny transformer under FSDP2 in one precision mode:
+
+    fp32; bf16 (MixedPrecisionPolicy bf16 params, fp32 reduce, fp32 master + AdamW state); fp16 (the posts'
+    fp16 params and fp16 reduce, no loss scaling); fp16+scaler (same, with torch.amp.GradScaler, which
+    agrees across ranks on FSDP2's DTensor gradients); fp16 model (the model converted to fp16 before
+    wrapping, as when loaded with torch_dtype=float16: fp16 master weights and fp16 AdamW state).
+    NaN losses are returned as float('nan').
+    """
+    from .dist import device, mesh, rank
+    from .models import TinyConfig, random_batch
+    from .parallel import apply_fsdp, build_tiny
+
+    if mode not in CURVE_MODES:
+        raise ValueError(f"mode must be one of {CURVE_MODES}, got {mode!r}.")
+    cfg = cfg or TinyConfig()
+    dev = device()
+    model = build_tiny(cfg, seed=seed, device=dev)
+    if mode == "fp16 model":
+        model = model.half()
+        apply_fsdp(model, mesh())
+    elif mode == "fp32":
+        apply_fsdp(model, mesh())
+    elif mode == "bf16":
+        apply_fsdp(model, mesh(), precision="bf16", reduce_precision="fp32")
+    else:
+        apply_fsdp(model, mesh(), precision="fp16", reduce_precision="fp16")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16) if mode == "fp16+scaler" else None
+    losses = []
+    for step in range(steps):
+        tokens, targets = random_batch(cfg, batch_size, seed=seed + 1000 * step + rank(), device=dev)
+        loss = model.loss(tokens, targets)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.item()
+        losses.append(value if math.isfinite(value) else float("nan"))
+    return losses
