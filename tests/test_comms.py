@@ -1,0 +1,141 @@
+"""fsdplab.comms: the collective counter (on 2 real gloo ranks) and the cost model (pure arithmetic)."""
+
+import pytest
+
+import fsdplab
+from fsdplab import comms
+from fsdplab.models import TinyConfig
+
+CFG = TinyConfig(dim=32, num_layers=3, seq_len=16)
+
+
+# --- cost model ------------------------------------------------------------------------------------
+
+def test_presets_are_vendor_figures():
+    gbps = {name: link.bandwidth_gbps for name, link in comms.PRESETS.items()}
+    assert comms.get_link("A100").bandwidth_gbps == 300 and comms.get_link("H100").bandwidth_gbps == 450
+    assert comms.get_link("10 GbE").bandwidth_gbps == 1.25 and comms.get_link("25 GbE").bandwidth_gbps == 3.125
+    assert [comms.get_link(f"{g} Gb/s").bandwidth_gbps for g in (100, 200, 400)] == [12.5, 25, 50]
+    assert comms.get_link("PCIe 4").bandwidth_gbps == 31.5 and len(gbps) == 10
+
+
+def test_get_link_rejects_unknown_and_ambiguous_names():
+    with pytest.raises(ValueError, match="unknown link"):
+        comms.get_link("carrier pigeon")
+    with pytest.raises(ValueError):
+        comms.get_link("NVLink")  # two presets match
+
+
+def test_ring_formula():
+    link = comms.Link("test", 10.0, latency_s=1e-6)
+    t = comms.collective_time("all_gather", 8e9, 4, link)
+    assert t == pytest.approx(3 / 4 * 8e9 / 10e9 + 3e-6)
+    assert comms.collective_time("all_reduce", 8e9, 4, link) == pytest.approx(2 * t)
+    assert comms.collective_time("reduce_scatter", 8e9, 1, link) == 0.0
+    with pytest.raises(ValueError):
+        comms.collective_time("all_to_all", 1, 2, link)
+
+
+def test_step_bytes_ratios():
+    p = 1e9
+    assert comms.step_sent_bytes("full_shard", p, 8) / comms.step_sent_bytes("ddp", p, 8) == pytest.approx(1.5)
+    assert comms.step_sent_bytes("shard_grad_op", p, 8) == comms.step_sent_bytes("ddp", p, 8)
+    assert comms.ring_sent_bytes("all_reduce", 100, 2) == 100 and comms.ring_sent_bytes("all_gather", 100, 4) == 75
+
+
+def test_hsdp_beats_flat_on_a_slow_network():
+    t = comms.hsdp_comm_time(14e9, 2, 8, "A100", "25 GbE", num_units=32)
+    assert t["hsdp"] < t["full_shard"] / 5
+    assert t["hsdp"] == pytest.approx(t["hsdp_intra"] + t["hsdp_inter"])
+
+
+def test_cross_node_bytes_ring_hops():
+    # one all-gather over 4 ranks on 2 nodes: 4 hops, 2 of them cross; each rank logs it once
+    recs = [{"ranks": (0, 1, 2, 3), "sent_bytes": 75.0} for _ in range(4)]
+    assert comms.cross_node_bytes(recs, 2) == {"intra": 150.0, "inter": 150.0}
+    recs = [{"ranks": (0, 1), "sent_bytes": 50.0} for _ in range(2)]
+    assert comms.cross_node_bytes(recs, 2) == {"intra": 100.0, "inter": 0.0}
+
+
+def test_live_units_ignores_noop_reshards():
+    log = [{"event": "collective", "kind": "all_gather", "unit": "a", "phase": "forward"},
+           {"event": "reshard", "unit": "b", "phase": "forward"},
+           {"event": "collective", "kind": "all_gather", "unit": "b", "phase": "forward"},
+           {"event": "reshard", "unit": "a", "phase": "forward"}]
+    assert [live for _, live in comms.live_units(log)] == [["a"], ["a"], ["a", "b"], ["b"]]
+    assert comms.peak_live_units(log, "forward") == 2
+
+
+# --- counting on real ranks ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster():
+    with fsdplab.Cluster(2, quiet=True) as c:
+        yield c
+
+
+def _collectives(out):
+    return [e for e in out["events"] if e["event"] == "collective"]
+
+
+@pytest.fixture(scope="module")
+def steps(cluster):
+    return {s: cluster.run(comms.count_train_step, s, cfg=CFG, quiet=True)[0]
+            for s in ("ddp", "shard_grad_op", "full_shard")}
+
+
+def test_bytes_per_step_match_zero_paper(steps):
+    p = steps["ddp"]["param_bytes"]
+    sent = {s: sum(r["sent_bytes"] for r in _collectives(out)) for s, out in steps.items()}
+    assert sent["full_shard"] == comms.step_sent_bytes("full_shard", p, 2) == 1.5 * p
+    assert sent["shard_grad_op"] == p
+    ddp_ar = [r for r in _collectives(steps["ddp"]) if r["kind"] == "all_reduce"]
+    assert sum(r["tensor_bytes"] for r in ddp_ar) == p          # DDP's C++ reducer all-reduces every gradient
+    assert all(r["phase"] == "backward" for r in ddp_ar)
+
+
+def test_fsdp_order_and_implicit_backward_prefetch(steps):
+    recs = _collectives(steps["full_shard"])
+    fwd = [r["unit"] for r in recs if r["phase"] == "forward"]
+    assert fwd == ["root", "layers.0", "layers.1", "layers.2"]
+    bwd = [(r["kind"], r["unit"]) for r in recs if r["phase"] == "backward"]
+    # block 1's all-gather is issued before block 2's reduce-scatter: FSDP2 prefetches in backward
+    assert bwd.index(("all_gather", "layers.1")) < bwd.index(("reduce_scatter", "layers.2"))
+    assert [u for k, u in bwd if k == "reduce_scatter"] == ["layers.2", "layers.1", "layers.0", "root"]
+    assert {r["group_size"] for r in recs} == {2}
+
+
+def test_live_units_per_strategy(steps, cluster):
+    assert comms.peak_live_units(steps["full_shard"]["events"], "forward") == 1
+    assert comms.peak_live_units(steps["full_shard"]["events"], "backward") == 2
+    assert comms.peak_live_units(steps["shard_grad_op"]["events"], "forward") == CFG.num_layers
+    deep = cluster.run(comms.count_train_step, "full_shard", cfg=CFG, explicit_prefetch=2, quiet=True)[0]
+    assert comms.peak_live_units(deep["events"], "forward") == 3
+
+
+def _plain_calls():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x = torch.ones(10)
+    with comms.CommCounter() as counter, CommDebugMode() as debug:
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(torch.empty(20), x)
+        dist.reduce_scatter_tensor(torch.empty(5), x)
+        dist.broadcast(x, src=0)
+        funcol.all_reduce(torch.ones(8), "sum", dist.group.WORLD).wait()
+    return [(r["kind"], r["tensor_bytes"], r["sent_bytes"]) for r in counter.records], debug.get_total_counts()
+
+
+def test_plain_and_functional_calls_counted(cluster):
+    records, debug_total = cluster.run(_plain_calls, quiet=True)[0]
+    assert records == [("all_reduce", 40, 40.0), ("all_gather", 80, 40.0), ("reduce_scatter", 40, 20.0),
+                       ("broadcast", 40, 40.0), ("all_reduce", 32, 32.0)]
+    assert debug_total == len(records)  # torch's own CommDebugMode sees the same number of collectives
+
+
+def test_bad_prefetch_depth():
+    with pytest.raises(ValueError, match="depth"):
+        comms.set_explicit_prefetch(None, 0)
