@@ -1,0 +1,447 @@
+"""Saving and loading sharded models: full state dicts, sharded (DCP) checkpoints, resharding, exports.
+
+Every function that gathers or scatters parameters is a collective: call it on EVERY rank (inside
+`cluster.run(fn)`), never under `if rank == 0:`. Only the file writing is rank 0's job.
+
+- `save_full` / `load_full`: one ordinary file (safetensors or torch.save) with the whole model, gathered
+  with every rank's help and written by rank 0 alone, atomically (temp name, fsync, `os.replace`).
+- `save_sharded` / `load_sharded`: `torch.distributed.checkpoint` (DCP) with model AND optimizer state,
+  each rank writing its own shards. A save goes to `DIR/step-N.tmp` and is renamed to `DIR/step-N` only
+  after every rank has finished, then `DIR/latest` is switched atomically: a crash mid-save leaves the
+  last complete checkpoint in charge. Loading works at any world size (DCP reshards).
+- `full_state` / `state_fingerprint` / `equal_state`: bit-exact comparisons (torch.equal, every tensor).
+- `export_pretrained`: a `save_pretrained` folder (config.json + model.safetensors) plain transformers loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+LATEST = "latest"
+
+
+# --- small helpers ------------------------------------------------------------------------------------
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist else 0
+
+
+def _world_size() -> int:
+    dist = _dist()
+    return dist.get_world_size() if dist else 1
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist:
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    # A rename is durable only once the folder that holds the name is synced too.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path, data: bytes) -> Path:
+    """Write `data` to `path` so that readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path
+
+
+def _atomic_save_tensors(state: dict, path: Path, metadata: dict | None = None) -> Path:
+    """safetensors when the name ends in .safetensors, else torch.save; temp name + fsync + os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        # safetensors refuses views that share memory; contiguous copies are what the file holds anyway.
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp),
+                  metadata={"format": "pt", **(metadata or {})})
+    else:
+        torch.save(state, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path
+
+
+def _read_tensors(path: Path) -> dict:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# --- full state dicts -----------------------------------------------------------------------------------
+
+def full_model_state(model: nn.Module) -> dict:
+    """The whole model's state on rank 0 as plain CPU tensors ({} on other ranks). Collective: call on all
+    ranks. FSDP2 gathers one parameter at a time and moves it to CPU, so no GPU ever holds the full model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if _dist() is None:
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_full(model: nn.Module, path) -> Path | None:
+    """Gather the whole model with every rank's help; rank 0 writes `path` atomically; all ranks wait.
+
+    Collective: call it on EVERY rank (the posts' `safe_save` calls it on rank 0 only, and hangs).
+    Returns the path on rank 0, None elsewhere."""
+    path = Path(path)
+    state = full_model_state(model)
+    written = None
+    if _rank() == 0:
+        written = _atomic_save_tensors(state, path)
+    _barrier()  # nobody reads the file (or exits) before it is complete
+    return written
+
+
+def load_full(model: nn.Module, path) -> None:
+    """Load a file written by `save_full` into a (sharded) model. Collective: call it on every rank.
+    Rank 0 reads the file and broadcasts; each rank keeps only its own shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    path = Path(path)
+    if _dist() is None:
+        model.load_state_dict(_read_tensors(path))
+        return
+    state = _read_tensors(path) if _rank() == 0 else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def full_state(model: nn.Module, optimizer=None) -> dict:
+    """Model (and optimizer) state as one flat dict of full CPU tensors on rank 0 ({} elsewhere), for
+    bit-exact comparisons across world sizes: keys 'model.<fqn>' and 'optim.<fqn>.<exp_avg|...>'.
+    Collective: call it on every rank."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    out = {f"model.{k}": v for k, v in full_model_state(model).items()}
+    if optimizer is not None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        osd = get_optimizer_state_dict(model, optimizer, options=options)
+        for fqn, per_param in osd.get("state", {}).items():
+            for name, value in per_param.items():
+                value = value.full_tensor() if hasattr(value, "full_tensor") else value
+                out[f"optim.{fqn}.{name}"] = torch.as_tensor(value).detach().cpu().clone()
+    return out if _rank() == 0 else {}
+
+
+def state_fingerprint(state: dict) -> dict:
+    """name -> (shape, dtype, sha256 of the bytes): a compact identity of a state dict's tensors."""
+    prints = {}
+    for name, t in sorted(state.items()):
+        t = torch.as_tensor(t).detach().cpu().contiguous()
+        digest = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+        prints[name] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), digest[:16])
+    return prints
+
+
+def equal_state(a: dict, b: dict) -> list:
+    """Compare two state dicts tensor by tensor with torch.equal (bit-exact, dtype and shape included).
+
+    Returns rows (name, shape, dtype, equal); a name present in only one dict is a row with equal=False.
+    `all(row[-1] for row in rows)` is the verdict."""
+    rows = []
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b:
+            rows.append((name, None, None, False))
+            continue
+        x, y = torch.as_tensor(a[name]), torch.as_tensor(b[name])
+        same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        rows.append((name, tuple(x.shape), str(x.dtype).replace("torch.", ""), bool(same)))
+    return rows
+
+
+# --- sharded checkpoints (DCP) -------------------------------------------------------------------------------
+
+def latest_checkpoint(root) -> Path | None:
+    """The newest COMPLETE checkpoint folder under `root` (None if there is none).
+
+    Trusts the `latest` pointer when it names a complete folder; otherwise the highest `step-N` folder that
+    DCP finished (has `.metadata`). `step-N.tmp` folders, left by a crash mid-save, never count."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if _STEP_DIR.match(named.name) and (named / ".metadata").is_file():
+            return named
+    complete = [(int(m.group(1)), p) for p in root.glob("step-*")
+                if (m := _STEP_DIR.match(p.name)) and p.is_dir() and (p / ".metadata").is_file()]
+    return max(complete)[1] if complete else None
+
+
+def _train_state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def write_shards(model, optimizer, root, step: int) -> Path:
+    """Phase 1 of `save_sharded`: every rank writes its shards into `root/step-N.tmp` (DCP). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a whole number >= 0 (the training step), got {step!r}.")
+    root = Path(root)
+    tmp = root / f"step-{step}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # debris of an earlier crash at this step
+            shutil.rmtree(tmp)
+    _barrier()
+    state = _train_state(model, optimizer)
+    state["step"] = step
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=_dist() is None)
+    return tmp
+
+
+def commit(root, step: int) -> Path:
+    """Phase 2 of `save_sharded`: after a barrier (every rank has written), rank 0 renames `step-N.tmp` to
+    `step-N` and points `latest` at it. Collective. Only now does the checkpoint exist for a loader."""
+    root = Path(root)
+    tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
+    _barrier()
+    if _rank() == 0:
+        if not (tmp / ".metadata").is_file():
+            raise ValueError(f"{tmp} is not a finished DCP save: call write_shards(...) on every rank first.")
+        trash = None
+        if final.exists():  # saving the same step again: swap, then delete the old one
+            trash = root / f".step-{step}.old-{os.getpid()}"
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        atomic_write_bytes(root / LATEST, final.name.encode())
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def save_sharded(model: nn.Module, optimizer, root, step: int) -> Path:
+    """A resumable checkpoint: model + optimizer shards of every rank (DCP), then an atomic commit.
+
+    Collective: call on every rank. Layout: root/step-N/{.metadata, __R_0.distcp per rank}, root/latest."""
+    write_shards(model, optimizer, root, step)
+    return commit(root, step)
+
+
+def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None) -> int:
+    """Load the newest complete checkpoint under `root` (or the folder `checkpoint`) into `model` and
+    `optimizer`, at whatever world size is running now (DCP reshards on load). Returns the saved step.
+
+    Collective: call on every rank, after sharding the model the way it will train (fully_shard first)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if checkpoint is None:
+        if root is None:
+            raise ValueError("load_sharded needs root= (a folder of step-N checkpoints) or checkpoint= (one).")
+        checkpoint = latest_checkpoint(root)
+        if checkpoint is None:
+            raise ValueError(f"no complete checkpoint under {root}: save one with save_sharded(...) first.")
+    state = _train_state(model, optimizer)
+    state["step"] = -1
+    with warnings.catch_warnings():
+        # Loading in one process without a process group is intended here (resharding to world size 1).
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=_dist() is None)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"])
+
+
+def checkpoint_files(root) -> list:
+    """(relative path, bytes) of every file under `root`, sorted: what a directory listing shows."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+
+
+def shard_bytes(checkpoint) -> dict:
+    """rank -> bytes of the DCP data file(s) that rank wrote (`__R_*.distcp`)."""
+    out = {}
+    for p in Path(checkpoint).glob("__*_*.distcp"):
+        r = int(p.name.split("_")[2])
+        out[r] = out.get(r, 0) + p.stat().st_size
+    return dict(sorted(out.items()))
+
+
+# --- exports ---------------------------------------------------------------------------------------------
+
+def export_pretrained(model: nn.Module, path, config=None) -> Path | None:
+    """Write a folder `AutoModelForCausalLM.from_pretrained(path)` loads: config.json + model.safetensors.
+
+    Collective (the weights are gathered with every rank's help); rank 0 writes into `path.tmp` and
+    renames it to `path` at the end, so a half export never looks like a model."""
+    path = Path(path)
+    config = config if config is not None else getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise ValueError("export_pretrained needs a transformers config: pass config=model.config "
+                         "(or a config from fsdplab.models.hf_config).")
+    state = full_model_state(model)
+    if _rank() == 0:
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        config.save_pretrained(tmp)
+        _atomic_save_tensors(state, tmp / "model.safetensors")
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    _barrier()
+    return path if _rank() == 0 else None
+
+
+# --- models the lesson saves and the posts' FSDP1 defaults ---------------------------------------------------
+
+def sharded_tiny(cfg=None, seed: int = 0, lr: float = 1e-2):
+    """(model, optimizer): the lab's TinyTransformer, FSDP2-sharded per block over all ranks (a plain model
+    when no process group is running: world size 1), with AdamW. Parameters are initialised from `seed`."""
+    from .models import TinyConfig
+    from .parallel import apply_fsdp, build_tiny
+
+    model = build_tiny(cfg or TinyConfig(), seed=seed)
+    if _dist() is not None:
+        from .dist import mesh
+
+        model = apply_fsdp(model, mesh())
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def sharded_hf(config, seed: int = 0):
+    """A transformers causal LM from `config` (e.g. models.hf_config("tiny")), FSDP2-sharded per decoder
+    layer over all ranks; every rank initialises the same weights from `seed` before sharding."""
+    from .models import causal_lm
+    from .parallel import apply_fsdp
+
+    torch.manual_seed(seed)
+    model = causal_lm(config, device="cpu")
+    if _dist() is not None:
+        from .dist import mesh
+
+        model = apply_fsdp(model, mesh())
+    return model
+
+
+def fsdp1_state_dict_defaults() -> dict:
+    """What FSDP1 (FullyShardedDataParallel) does when nobody sets a state dict type, read from the installed
+    torch (no GPU needed): the default type and the default FullStateDictConfig fields."""
+    import inspect
+
+    from torch.distributed.fsdp import FullStateDictConfig
+
+    try:
+        from torch.distributed.fsdp import _init_utils
+
+        source = inspect.getsource(_init_utils._init_state_dict_state)
+        found = re.search(r"_state_dict_type\s*=\s*StateDictType\.(\w+)", source)
+        default_type = found.group(1) if found else "unknown (torch changed _init_state_dict_state)"
+    except (ImportError, AttributeError, OSError):
+        default_type = "unknown (torch changed _init_utils)"
+    config = FullStateDictConfig()
+    return {"default state_dict_type": default_type, "FullStateDictConfig().offload_to_cpu": config.offload_to_cpu,
+            "FullStateDictConfig().rank0_only": config.rank0_only}
+
+
+def execute_expecting_death(cluster, source: str, timeout: float = 60) -> None:
+    """`cluster.execute(source)` for code that kills a rank on purpose; a dead rank is raised as
+    `fsdplab.RankDied` (with its exit code) every time.
+
+    Needed because Cluster's exit-code lookup iterates ipyparallel's launcher table while ipyparallel's
+    own event loop may drop the dead engine from it, which surfaces as "RuntimeError: dictionary changed
+    size during iteration" instead of RankDied. Remove this wrapper once Cluster copies that table."""
+    import time
+
+    from .cluster import RankDied, RankError, _alive
+
+    try:
+        cluster.execute(source, timeout=timeout)
+    except (RankDied, RankError):
+        raise
+    except RuntimeError as err:
+        if "changed size during iteration" not in str(err):
+            raise
+        time.sleep(0.5)  # let the launcher thread reap the process and cache its exit code
+        exits = {r: getattr(p, "_exitcode", None) for r, p in cluster._procs.items() if not _alive(p)}
+        raise RankDied({r: (int(c) if isinstance(c, int) else None) for r, c in exits.items()}) from None
+
+
+# --- a training loop whose result does not depend on the world size ----------------------------------------------
+
+def train_steps(model, optimizer, cfg, steps: int, start_step: int = 0, global_batch: int = 8,
+                seed: int = 0, device="cpu") -> list:
+    """`steps` optimizer steps from `start_step` on the toy task. Every step uses the same global batch at
+    any world size (rank r takes its slice of it), so a run resumed at another world size sees the same
+    data. Returns the global mean loss of each step (the same on every rank)."""
+    from .models import random_batch
+
+    world, rank = _world_size(), _rank()
+    if global_batch % world:
+        raise ValueError(f"global_batch={global_batch} must divide evenly among {world} ranks; "
+                         f"use a multiple of {world}.")
+    per_rank = global_batch // world
+    dist = _dist()
+    losses = []
+    for step in range(start_step, start_step + steps):
+        tokens, targets = random_batch(cfg, global_batch, seed=seed + step)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        logits = model(tokens[mine].to(device))
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets[mine].to(device).flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if dist:
+            dist.all_reduce(total)  # gloo has no AVG: sum, then divide
+        losses.append(total.item() / world)
+    return losses
