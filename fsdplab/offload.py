@@ -120,6 +120,20 @@ def spec_for(num_params: float):
     return ModelSpec(f"{num_params / 1e9:g}B", hidden, num_layers, heads, heads, int(round(8 * hidden / 3)), 32000)
 
 
+def draw_ledger(ax, ledgers: dict, gpu_mem_gib: float | None = None):
+    """Stacked per-category bars: GPU bytes without and with offload, and the host bytes offload adds.
+    `ledgers`: {False: ledger(...), True: ledger(..., cpu_offload=True)}."""
+    from types import SimpleNamespace
+
+    from .memory import draw_stacked
+
+    bars = [SimpleNamespace(by_category=ledgers[False]["gpu"]), SimpleNamespace(by_category=ledgers[True]["gpu"]),
+            SimpleNamespace(by_category=ledgers[True]["cpu"])]
+    draw_stacked(ax, ["no offload:\nGPU", "offload:\nGPU", "offload:\nhost (pinned)"], bars, gpu_mem_gib)
+    ax.set_ylabel("memory per rank (GiB)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
 # --- what it costs ---------------------------------------------------------------------------------
 
 def time_adamw_step(num_params: int = 20_000_000, repeats: int = 3, chunk: int = 4_000_000, seed: int = 0) -> dict:
@@ -358,6 +372,21 @@ def draw_cost(fig, table: dict, num_params: float, world_size: int, cpu_adam_sec
 
 
 # --- a real offload run (GPU only) -----------------------------------------------------------------
+
+def offload_attempt_on_rank(cfg=None) -> str:
+    """Try FSDP2 + CPUOffloadPolicy for one forward/backward on this rank: 'ok', or the error torch raises
+    (on a CPU rank there is no accelerator to offload from)."""
+    from .dist import device, mesh
+    from .models import random_batch
+    from .parallel import apply_fsdp, build_tiny
+
+    try:
+        model = apply_fsdp(build_tiny(cfg, device=device()), mesh(), cpu_offload=True)
+        model.loss(*random_batch(model.cfg, 2, device=device())).backward()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the error itself is what the lesson shows
+        return f"{type(e).__name__}: {e}"
+
 
 def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 0) -> dict:
     """On a rank with a GPU: train the tiny transformer under FSDP2 with/without CPUOffloadPolicy.

@@ -143,12 +143,12 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .dist import mesh, rank
+    from .dist import device, mesh, rank
     from .models import TinyConfig, random_batch
     from .parallel import apply_fsdp, build_tiny
 
     cfg = cfg or TinyConfig()
-    model = build_tiny(cfg)
+    model = build_tiny(cfg, device=device())
     if keep_norms_fp32:
         # Inputs are cast up to fp32 on the way in; output_dtype casts the result back down, since the
         # next Linear runs in `precision` and refuses an fp32 input.
@@ -159,7 +159,7 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
     apply_fsdp(model, mesh(), precision=precision, reduce_precision=reduce_precision)
     records = []
     probe_norms(model, records, print_rank=-1 if verbose else None)
-    tokens, _ = random_batch(cfg, 2, seed=rank())
+    tokens, _ = random_batch(cfg, 2, seed=rank(), device=device())
     with torch.no_grad():
         model(tokens)
     return records
@@ -213,19 +213,21 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
     """
     import torch.distributed as dist
 
-    from .dist import mesh, rank, world_size
+    from .dist import device, mesh, rank, world_size
     from .models import TinyConfig, random_batch
     from .parallel import apply_fsdp, build_tiny
 
     cfg = cfg or TinyConfig()
-    tokens, targets = random_batch(cfg, batch_size, seed=seed + rank())
-    reference = build_tiny(cfg, seed=seed)
+    dev = device()
+    tokens, targets = random_batch(cfg, batch_size, seed=seed + rank(), device=dev)
+    reference = build_tiny(cfg, seed=seed, device=dev)
     (reference.loss(tokens, targets) * loss_scale).backward()
     ref = [p.grad.double() / loss_scale for p in reference.parameters()]
     for g in ref:
         dist.all_reduce(g)
         g /= world_size()
-    model = apply_fsdp(build_tiny(cfg, seed=seed), mesh(), precision="fp32", reduce_precision=reduce_precision)
+    model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), mesh(), precision="fp32",
+                       reduce_precision=reduce_precision)
     (model.loss(tokens, targets) * loss_scale).backward()
     got = [p.grad.full_tensor().double() / loss_scale for p in model.parameters()]
     ref_flat, got_flat = torch.cat([g.flatten() for g in ref]), torch.cat([g.flatten() for g in got])
@@ -287,6 +289,33 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
     return {"scaler": scaler, "rank": rank(), "scales": scales, "stepped": changed, "checksums": checksums}
 
 
+def fsdp2_scaler_on_rank(inf_rank: int = 1, cfg=None, seed: int = 0) -> dict:
+    """The same injected inf under FSDP2 with a plain torch.amp.GradScaler: the gradients are DTensors, and
+    DTensor's handler for the scaler's inf check all-reduces the found-inf flag over the mesh (torch 2.x
+    `found_inf_reduce_handler`), so the ranks agree without a special scaler. Returns this rank's scale and
+    whether its shards changed."""
+    from .dist import device, mesh, rank
+    from .models import TinyConfig, random_batch
+    from .parallel import apply_fsdp, build_tiny
+
+    cfg = cfg or TinyConfig()
+    dev = device()
+    model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16)
+    tokens, targets = random_batch(cfg, 4, seed=seed + rank(), device=dev)
+    scaler.scale(model.loss(tokens, targets)).backward()
+    first = next(model.parameters())
+    if rank() == inf_rank:
+        with torch.no_grad():
+            first.grad.to_local().view(-1)[0] = float("inf")
+    before = [p.to_local().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    stepped = any(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+    return {"rank": rank(), "scale": float(scaler.get_scale()), "stepped": stepped}
+
+
 # --- training curves -------------------------------------------------------------------------------
 
 CURVE_MODES = ("fp32", "bf16", "fp16", "fp16+scaler", "fp16 model")
@@ -337,3 +366,75 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
         value = loss.item()
         losses.append(value if math.isfinite(value) else float("nan"))
     return losses
+
+
+# --- figures ---------------------------------------------------------------------------------------
+
+def draw_ranges(fig, scales, rms_errors: dict, shrinks, underflow: dict):
+    """Left: relative error of an RMS computed in each dtype vs activation size (inf drawn at the top).
+    Right: fraction of real gradients that become 0 in each dtype / loss scale vs how small they are."""
+    ax_rms, ax_under = fig.subplots(1, 2)
+    for name, errs in rms_errors.items():
+        finite = [e if math.isfinite(e) else float("nan") for e in errs]
+        line, = ax_rms.plot(scales, finite, marker="o", label=name)
+        inf_x = [s for s, e in zip(scales, errs) if not math.isfinite(e)]
+        if inf_x:
+            ax_rms.plot(inf_x, [1.0] * len(inf_x), "x", color=line.get_color(), markersize=9,
+                        label=f"{name}: inf (x*x > {torch.finfo(DTYPES[name]).max:g})")
+    ax_rms.set(xscale="log", yscale="log", xlabel="activation RMS (value scale)",
+               ylabel="relative error of sqrt(mean(x*x))", title="activations: overflow in a norm's sum")
+    ax_rms.legend(fontsize=7)
+    for label, fractions in underflow.items():
+        ax_under.plot(shrinks, fractions, marker="o", label=label)
+    ax_under.set(xscale="log", xlabel="gradient size (x the tiny model's real gradients)",
+                 ylabel="fraction of non-zero gradients that become 0", title="gradients: underflow to zero")
+    ax_under.invert_xaxis()
+    ax_under.legend(fontsize=7)
+    fig.tight_layout()
+
+
+def draw_scalers(fig, runs: dict, inf_step: int):
+    """Per scaler kind: each rank's loss scale per step, and each rank's shard checksum minus the agreeing
+    run's (0 = the same parameters)."""
+    ax_scale, ax_sum = fig.subplots(1, 2)
+    agree = {r["rank"]: r for r in runs["agree"]}
+    for kind, ranks in runs.items():
+        for r in ranks:
+            style = "-" if kind == "agree" else "--"
+            ax_scale.plot(r["scales"], style, marker="o", label=f"{kind}, rank {r['rank']}")
+            diff = [abs(a - b) for a, b in zip(r["checksums"], agree[r["rank"]]["checksums"])]
+            if kind != "agree":
+                ax_sum.plot(diff, style, marker="o", label=f"{kind} vs agree, rank {r['rank']}")
+    for ax in (ax_scale, ax_sum):
+        ax.axvline(inf_step, color="gray", ls=":", label="inf on one rank")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    ax_scale.set(ylabel="loss scale", yscale="log", title="loss scale per rank")
+    ax_sum.set(ylabel="|shard checksum - agreeing run's|", title="parameters vs the agreeing scaler")
+    fig.tight_layout()
+
+
+def draw_curves(fig, curves: dict, title: str = ""):
+    """Left: loss per step for each precision mode (a mode that turned NaN is marked where it did).
+    Right: each mode's |loss - fp32 loss| per step, log scale (where the modes actually differ)."""
+    ax, ax_diff = fig.subplots(1, 2)
+    for mode, losses in curves.items():
+        line, = ax.plot(range(len(losses)), losses, label=mode, lw=2.5 if mode == "fp32" else 1.2,
+                        ls="-" if mode in ("fp32", "bf16") else "--")
+        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad is not None:
+            last = losses[bad - 1] if bad else losses[0]
+            ax.plot([bad], [last], "X", color=line.get_color(), markersize=12)
+            ax.annotate(f"{mode}: NaN from step {bad}", (bad, last), xytext=(15, -25), textcoords="offset points",
+                        fontsize=8, color=line.get_color(), arrowprops={"arrowstyle": "-", "color": "gray"})
+        if mode != "fp32":
+            diff = [abs(a - b) if math.isfinite(a) else float("nan") for a, b in zip(losses, curves["fp32"])]
+            ax_diff.plot(range(len(diff)), [max(d, 1e-9) for d in diff], marker=".", color=line.get_color(),
+                         label=mode)
+    ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)", title="loss")
+    ax.legend(fontsize=8)
+    ax_diff.set(yscale="log", xlabel="step", ylabel="|loss - fp32 loss| (nats)", title="distance from fp32")
+    ax_diff.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()

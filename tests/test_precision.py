@@ -1,0 +1,98 @@
+"""fsdplab.precision: fp16 range facts on real tensors, and the mixed-precision behaviour of real ranks."""
+
+import math
+
+import pytest
+import torch
+
+import fsdplab
+from fsdplab import precision as P
+from fsdplab.models import TinyConfig
+
+CFG = TinyConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, seq_len=16)
+
+
+def test_dtype_table_and_adam_eps():
+    rows = {r["dtype"]: r for r in P.dtype_table()}
+    assert rows["fp16"]["max"] == 65504 and rows["fp16"]["smallest_subnormal"] == 2.0 ** -24
+    assert rows["fp16"]["adam_eps_1e-8"] == 0.0
+    assert rows["bf16"]["adam_eps_1e-8"] > 0 and rows["bf16"]["max"] > 1e38
+
+
+def test_norm_sum_overflows_in_fp16_only():
+    fp16, bf16 = P.rms_in("fp16", [1, 300]), P.rms_in("bf16", [1, 300])
+    assert math.isfinite(fp16[0]) and fp16[1] == float("inf")
+    assert all(math.isfinite(e) and e < 0.02 for e in bf16)
+
+
+def test_underflow_fraction():
+    grads = torch.tensor([1e-9, 1e-3])
+    assert P.underflow_fraction(grads, "fp16") == 0.5
+    assert P.underflow_fraction(grads, "fp16", loss_scale=2.0 ** 16) == 0.0
+    assert P.underflow_fraction(grads, "bf16") == 0.0
+    assert (P.tiny_gradients(CFG) != 0).all()
+
+
+def test_adam_state_follows_the_model_dtype():
+    out = P.adam_state_dtypes(grad_value=1e-4)
+    assert out["fp32"]["state_dtype"] == "float32" and out["fp32"]["nonfinite_params"] == 0
+    assert out["fp16"]["state_dtype"] == "float16" and out["fp16"]["exp_avg_sq"] == 0.0
+    assert out["fp16"]["nonfinite_params"] == out["fp16"]["num_params"]
+
+
+def test_probe_norms_records_dtypes_without_ranks():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
+    records = []
+    handles = P.probe_norms(model, records)
+    model(torch.randn(2, 4, dtype=torch.bfloat16))
+    assert records == [{"module": "1", "weight": "bfloat16", "input": "bfloat16", "output": "bfloat16"}]
+    for h in handles:
+        h.remove()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with fsdplab.Cluster(2, quiet=True) as c:
+        yield c
+
+
+def test_norms_run_in_param_dtype_despite_fp32_reduce(cluster):
+    records = cluster.run(P.norm_dtypes_on_rank, "bf16", "fp32", cfg=CFG, verbose=False)
+    assert all(r["weight"] == "bfloat16" for rank_rows in records for r in rank_rows)
+    assert len(records[0]) == 2 * CFG.num_layers + 1
+    kept = cluster.run(P.norm_dtypes_on_rank, "fp16", "fp32", keep_norms_fp32=True, cfg=CFG, verbose=False)
+    assert all(r["weight"] == "float32" and r["input"] == "float32" and r["output"] == "float16" for r in kept[0])
+
+
+def test_fsdp1_rejects_a_dtype_and_casts_layernorm(cluster):
+    out = cluster.run(P.fsdp1_mixed_precision_on_rank, CFG)[0]
+    assert out["posts_call"].startswith("AttributeError") and "param_dtype" in out["posts_call"]
+    assert out["norms"] and all(r["weight"] == "float16" for r in out["norms"])
+
+
+def test_per_rank_scaler_tears_the_step_and_agreeing_one_does_not(cluster):
+    per_rank = cluster.run(P.scaler_agreement_on_rank, "per-rank", steps=3, inf_step=1, cfg=CFG)
+    agree = cluster.run(P.scaler_agreement_on_rank, "agree", steps=3, inf_step=1, cfg=CFG)
+    assert [r["stepped"][1] for r in per_rank] == [True, False]
+    assert per_rank[0]["scales"][-1] == 2 * per_rank[1]["scales"][-1]
+    assert [r["stepped"][1] for r in agree] == [False, False] and agree[0]["scales"] == agree[1]["scales"]
+    fsdp2 = cluster.run(P.fsdp2_scaler_on_rank, cfg=CFG)
+    assert fsdp2[0]["scale"] == fsdp2[1]["scale"]
+    with pytest.raises(ValueError):
+        P.scaler_agreement_on_rank("sometimes")
+
+
+def test_reduce_error_by_dtype(cluster):
+    fp32 = cluster.run(P.reduce_error_on_rank, "fp32", 1.0, CFG)
+    fp16 = cluster.run(P.reduce_error_on_rank, "fp16", 1.0, CFG)
+    assert fp32[0] == fp32[1] and fp32[0]["rel_error"] < 1e-6
+    assert 1e-5 < fp16[0]["rel_error"] < 1e-2 and fp16[0]["nonfinite"] == 0
+
+
+def test_fp16_model_goes_nan_and_bf16_trains(cluster):
+    nan_run = cluster.run(P.train_curve_on_rank, "fp16 model", 3, CFG)[0]
+    assert math.isfinite(nan_run[0]) and math.isnan(nan_run[-1])
+    bf16 = cluster.run(P.train_curve_on_rank, "bf16", 8, CFG)[0]
+    assert all(math.isfinite(v) for v in bf16) and bf16[-1] < bf16[0]
+    with pytest.raises(ValueError):
+        P.train_curve_on_rank("fp8")
