@@ -235,7 +235,9 @@ def write_shards(model, optimizer, root, step: int) -> Path:
     _barrier()
     state = _train_state(model, optimizer)
     state["step"] = step
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=_dist() is None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=_dist() is None)
     return tmp
 
 
