@@ -29,7 +29,6 @@ import math
 import time
 from dataclasses import dataclass
 
-GB = 1e9
 GIB = 1024 ** 3
 
 PCIE_BYTES_PER_S = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9}

@@ -401,13 +401,16 @@ def draw_scalers(fig, runs: dict, inf_step: int):
     for kind, ranks in runs.items():
         for r in ranks:
             style = "-" if kind == "agree" else "--"
-            ax_scale.plot(r["scales"], style, marker="o", label=f"{kind}, rank {r['rank']}")
+            # Agreeing ranks draw wide and pale, so the per-rank lines on top of them stay visible.
+            look = dict(lw=6, alpha=0.35) if kind == "agree" else dict(marker="os"[r["rank"] % 2])
+            ax_scale.plot(r["scales"], style, label=f"{kind}, rank {r['rank']}", **look)
             diff = [abs(a - b) for a, b in zip(r["checksums"], agree[r["rank"]]["checksums"])]
             if kind != "agree":
                 ax_sum.plot(diff, style, marker="o", label=f"{kind} vs agree, rank {r['rank']}")
     for ax in (ax_scale, ax_sum):
         ax.axvline(inf_step, color="gray", ls=":", label="inf on one rank")
         ax.set_xlabel("step")
+        ax.set_xticks(range(len(runs["agree"][0]["scales"])))
         ax.legend(fontsize=7)
     ax_scale.set(ylabel="loss scale", yscale="log", title="loss scale per rank")
     ax_sum.set(ylabel="|shard checksum - agreeing run's|", title="parameters vs the agreeing scaler")
