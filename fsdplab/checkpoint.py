@@ -53,6 +53,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _on_rank0(fn):
+    """Run `fn()` on rank 0 only, then let every rank know how it went: an error on rank 0 is raised on
+    every rank (instead of rank 0 raising while the others wait for it at the next barrier forever).
+    Works as a barrier too. Returns fn's value on rank 0, None elsewhere."""
+    value, failure = None, None
+    if _rank() == 0:
+        try:
+            value = fn()
+        except Exception as err:  # reported to every rank below, then re-raised on rank 0
+            failure = err
+    dist = _dist()
+    if dist:
+        message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is not None and failure is None:
+            raise RuntimeError(f"rank 0 failed while writing the checkpoint: {message[0]}")
+    if failure is not None:
+        raise failure
+    return value
+
+
 def _fsync_dir(path: Path) -> None:
     # A rename is durable only once the folder that holds the name is synced too.
     try:
@@ -127,11 +148,8 @@ def save_full(model: nn.Module, path) -> Path | None:
     Returns the path on rank 0, None elsewhere."""
     path = Path(path)
     state = full_model_state(model)
-    written = None
-    if _rank() == 0:
-        written = _atomic_save_tensors(state, path)
-    _barrier()  # nobody reads the file (or exits) before it is complete
-    return written
+    # Every rank waits until the file is complete (nobody reads it, or exits, too early).
+    return _on_rank0(lambda: _atomic_save_tensors(state, path))
 
 
 def load_full(model: nn.Module, path) -> None:
@@ -228,11 +246,13 @@ def write_shards(model, optimizer, root, step: int) -> Path:
         raise ValueError(f"step must be a whole number >= 0 (the training step), got {step!r}.")
     root = Path(root)
     tmp = root / f"step-{step}.tmp"
-    if _rank() == 0:
+
+    def prepare():
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # debris of an earlier crash at this step
             shutil.rmtree(tmp)
-    _barrier()
+
+    _on_rank0(prepare)
     state = _train_state(model, optimizer)
     state["step"] = step
     with warnings.catch_warnings():
@@ -246,8 +266,9 @@ def commit(root, step: int) -> Path:
     `step-N` and points `latest` at it. Collective. Only now does the checkpoint exist for a loader."""
     root = Path(root)
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
-    _barrier()
-    if _rank() == 0:
+    _barrier()  # every rank has returned from write_shards: all shards are on disk
+
+    def rename():
         if not (tmp / ".metadata").is_file():
             raise ValueError(f"{tmp} is not a finished DCP save: call write_shards(...) on every rank first.")
         trash = None
@@ -255,10 +276,12 @@ def commit(root, step: int) -> Path:
             trash = root / f".step-{step}.old-{os.getpid()}"
             os.replace(final, trash)
         os.replace(tmp, final)
+        _fsync_dir(root)
         atomic_write_bytes(root / LATEST, final.name.encode())
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
-    _barrier()
+
+    _on_rank0(rename)
     return final
 
 
@@ -329,7 +352,8 @@ def export_pretrained(model: nn.Module, path, config=None) -> Path | None:
         raise ValueError("export_pretrained needs a transformers config: pass config=model.config "
                          "(or a config from fsdplab.models.hf_config).")
     state = full_model_state(model)
-    if _rank() == 0:
+
+    def write():
         tmp = path.with_name(path.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -340,8 +364,9 @@ def export_pretrained(model: nn.Module, path, config=None) -> Path | None:
             shutil.rmtree(path)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    _barrier()
-    return path if _rank() == 0 else None
+        return path
+
+    return _on_rank0(write)
 
 
 # --- models the lesson saves and the posts' FSDP1 defaults ---------------------------------------------------

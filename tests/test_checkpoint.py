@@ -173,6 +173,18 @@ def test_save_full_every_rank_gathers_rank0_writes(cluster, tmp_path):
                                              saved))
 
 
+def _save_full_to(path):
+    model, _ = ck.sharded_tiny(CFG, seed=0)
+    ck.save_full(model, path)
+
+
+def test_a_failed_write_on_rank0_raises_on_every_rank(cluster, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(fsdplab.RankError) as err:   # not a RankHang: rank 1 learns that rank 0 failed
+        cluster.run(_save_full_to, str(tmp_path / "a_file" / "model.safetensors"), timeout=60, quiet=True)
+    assert sorted(err.value.errors) == [0, 1]
+
+
 def _train_save_resume(root, steps):
     model, opt = ck.sharded_tiny(CFG, seed=0)
     ck.train_steps(model, opt, CFG, steps, global_batch=4)
