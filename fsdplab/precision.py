@@ -208,8 +208,10 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
     float64 reference (each rank's fp32 local gradient, summed in float64 and averaged).
 
     The loss is multiplied by `loss_scale` (as a loss scaler does) and the gradients divided back, so the
-    only difference from the reference is the reduction dtype. Returns the relative L2 error, the fraction
-    of non-zero reference elements that arrive as 0 and the count of non-finite elements; equal on all ranks.
+    only difference from the reference is the reduction dtype. Each rank compares its own gradient shard
+    with the same rows of the reference (FSDP2 shards dim 0 like torch.chunk) and one all-reduce sums the
+    tallies. Returns the relative L2 error, the fraction of non-zero reference elements that arrive as
+    exactly 0 and the count of non-finite elements; equal on all ranks.
     """
     import torch.distributed as dist
 
@@ -218,25 +220,33 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
     from .parallel import apply_fsdp, build_tiny
 
     cfg = cfg or TinyConfig()
-    dev = device()
-    tokens, targets = random_batch(cfg, batch_size, seed=seed + rank(), device=dev)
+    dev, n, r = device(), world_size(), rank()
+    tokens, targets = random_batch(cfg, batch_size, seed=seed + r, device=dev)
     reference = build_tiny(cfg, seed=seed, device=dev)
     (reference.loss(tokens, targets) * loss_scale).backward()
-    ref = [p.grad.double() / loss_scale for p in reference.parameters()]
-    for g in ref:
-        dist.all_reduce(g)
-        g /= world_size()
+    grads = [p.grad for p in reference.parameters()]
+    flat = torch.cat([g.double().flatten() for g in grads]) / loss_scale
+    dist.all_reduce(flat)                       # one float64 sum of every rank's gradient
+    flat /= n
+    ref_full = [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
     model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), mesh(), precision="fp32",
                        reduce_precision=reduce_precision)
     (model.loss(tokens, targets) * loss_scale).backward()
-    got = [p.grad.full_tensor().double() / loss_scale for p in model.parameters()]
-    ref_flat, got_flat = torch.cat([g.flatten() for g in ref]), torch.cat([g.flatten() for g in got])
-    finite = torch.isfinite(got_flat)
-    nonzero = ref_flat != 0
-    return {"reduce": reduce_precision, "world_size": world_size(), "loss_scale": loss_scale,
-            "rel_error": float((got_flat[finite] - ref_flat[finite]).norm() / ref_flat[finite].norm()),
-            "flushed_to_zero": float(((got_flat == 0) & nonzero).double().sum() / nonzero.sum()),
-            "nonfinite": int((~finite).sum())}
+    tally = torch.zeros(5, dtype=torch.float64, device=dev)   # err^2, ref^2, flushed, non-zero ref, non-finite
+    for p, full in zip(model.parameters(), ref_full):
+        got = p.grad.to_local().double() / loss_scale
+        chunks = torch.chunk(full, n, dim=0)
+        ref = chunks[r] if r < len(chunks) else full[:0]
+        assert got.shape == ref.shape, (got.shape, ref.shape)
+        finite = torch.isfinite(got)
+        tally += torch.stack([(got[finite] - ref[finite]).pow(2).sum(), ref[finite].pow(2).sum(),
+                              ((got == 0) & (ref != 0)).sum().double(), (ref != 0).sum().double(),
+                              (~finite).sum().double()])
+    dist.all_reduce(tally)
+    err2, ref2, flushed, nonzero, nonfinite = tally.tolist()
+    return {"reduce": reduce_precision, "world_size": n, "loss_scale": loss_scale,
+            "rel_error": math.sqrt(err2 / ref2), "flushed_to_zero": flushed / nonzero, "nonfinite": int(nonfinite)}
 
 
 # --- loss scaling across ranks ---------------------------------------------------------------------
