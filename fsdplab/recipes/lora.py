@@ -128,3 +128,369 @@ def make_optimizer(model: nn.Module, lr: float = 1e-4, weight_decay: float = 0.0
     if not params:
         raise ValueError("the model has no trainable parameters: build it with lora_rank=... or unfreeze some.")
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def _fix_nonpersistent_buffers(model: nn.Module, device) -> None:
+    """`to_empty` leaves buffers that no checkpoint stores (RoPE's inv_freq) as garbage: rebuild them."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buffer.to(device))
+
+
+def build_sharded(config=None, mesh=None, *, model_path=None, device=None, lora_rank=None, lora_alpha=None,
+                  target_modules="all-linear", activation_checkpointing=False, dtype=None, precision="bf16",
+                  reshard_after_forward=True, cpu_offload=False, seed=0) -> nn.Module:
+    """The training model on every rank: meta build, LoRA + checkpointing, shard, `to_empty`, then the weights.
+
+    Only rank 0 holds a full copy (random init from `seed`, or the checkpoint at `model_path`, plus the fresh
+    adapters); every other rank receives just its shards by broadcast, so host memory stays one model, not N.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if mesh is None:
+        from ..dist import mesh as current_mesh
+
+        mesh = current_mesh()
+    if device is None:
+        device = ("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(*device) if isinstance(device, tuple) else torch.device(device)
+    kwargs = dict(model_path=model_path, lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
+                  dtype=dtype)
+    model = build_model(config, device="meta", activation_checkpointing=activation_checkpointing, **kwargs)
+    shard_model(model, mesh, precision=precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    model.to_empty(device="cpu" if cpu_offload else device)
+    full = {}
+    if dist.get_rank() == 0:
+        full = build_model(config, device="cpu", seed=seed, **kwargs).state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _fix_nonpersistent_buffers(model, device)
+    return model
+
+
+def miniature_config(tokenizer: CharTokenizer | None = None, name: str = "qwen-7b", initializer_range: float = 0.1):
+    """The tiny twin of `name` (same architecture: Qwen2 layout, MHA for Qwen-7B) with the task's vocabulary.
+
+    initializer_range: transformers' default 0.02 gives a random *frozen* LM head whose logits cannot exceed
+    about 0.02 * hidden = 2.6 after the final RMSNorm, so LoRA alone cannot make any prediction confident
+    (the loss stalls near 0.58). A trained head has larger weights; 0.1 stands in for that.
+    """
+    from ..models import hf_config, tiny_twin
+
+    config = tiny_twin(hf_config(name), vocab_size=(tokenizer or CharTokenizer()).vocab_size)
+    config.initializer_range = initializer_range
+    if len(getattr(config, "layer_types", None) or []) != config.num_hidden_layers:
+        # tiny_twin copies the full model's per-layer list; save_pretrained refuses a mismatch.
+        config.layer_types = list(config.layer_types[:config.num_hidden_layers])
+    return config
+
+
+# --- a small instruction task the tiny twin can learn in seconds ---------------------------------------
+
+class CharTokenizer:
+    """One token per character of `alphabet`, after four specials: PAD, BOS, SEP (end of prompt), EOS."""
+
+    PAD, BOS, SEP, EOS = 0, 1, 2, 3
+    SPECIALS = ("<pad>", "<bos>", "<sep>", "<eos>")
+
+    def __init__(self, alphabet: str = "abcdef"):
+        if len(set(alphabet)) != len(alphabet) or not alphabet:
+            raise ValueError(f"alphabet must be non-empty with distinct characters, got {alphabet!r}.")
+        self.alphabet = alphabet
+        self.vocab_size = len(self.SPECIALS) + len(alphabet)
+
+    def encode(self, text: str) -> list:
+        unknown = sorted(set(text) - set(self.alphabet))
+        if unknown:
+            raise ValueError(f"characters {unknown} are not in the alphabet {self.alphabet!r}.")
+        return [len(self.SPECIALS) + self.alphabet.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in (int(t) for t in ids):
+            if i == self.EOS:
+                break
+            if i >= len(self.SPECIALS):
+                out.append(self.alphabet[i - len(self.SPECIALS)])
+        return "".join(out)
+
+    def prompt(self, text: str) -> list:
+        return [self.BOS] + self.encode(text) + [self.SEP]
+
+    def answer(self, text: str) -> list:
+        return self.encode(text) + [self.EOS]
+
+
+TASKS = ("reverse", "sort")
+
+
+class StringTask:
+    """An instruction on short strings of distinct characters: 'reverse' or 'sort' it.
+    Prompt: BOS s SEP; answer: f(s) EOS; the loss counts the answer only."""
+
+    def __init__(self, name: str = "reverse", tokenizer: CharTokenizer | None = None, min_len: int = 2,
+                 max_len: int = 4):
+        if name not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {name!r}.")
+        self.tokenizer = tokenizer or CharTokenizer()
+        if not 1 <= min_len <= max_len <= len(self.tokenizer.alphabet):
+            raise ValueError(f"need 1 <= min_len <= max_len <= alphabet size ({len(self.tokenizer.alphabet)}), "
+                             f"got {min_len}, {max_len}.")
+        self.name, self.min_len, self.max_len = name, min_len, max_len
+        self.seq_len = 2 * max_len + 3  # BOS + s + SEP + f(s) + EOS
+
+    def solve(self, text: str) -> str:
+        return text[::-1] if self.name == "reverse" else "".join(sorted(text))
+
+    def sample(self, gen: torch.Generator) -> str:
+        n = int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=gen))
+        idx = torch.randperm(len(self.tokenizer.alphabet), generator=gen)[:n]
+        return "".join(self.tokenizer.alphabet[i] for i in idx.tolist())
+
+    def batch(self, batch_size: int, seed: int = 0, seq_len: int | None = None):
+        """(input_ids, labels), right-padded to `seq_len`; labels are -100 except on the answer tokens
+        (transformers shifts them by one inside the model's loss)."""
+        seq_len = seq_len or self.seq_len
+        if seq_len < self.seq_len:
+            raise ValueError(f"seq_len must be at least {self.seq_len} for strings of up to {self.max_len} chars.")
+        gen = torch.Generator().manual_seed(seed)
+        input_ids = torch.full((batch_size, seq_len), self.tokenizer.PAD, dtype=torch.long)
+        labels = torch.full((batch_size, seq_len), -100, dtype=torch.long)
+        for row in range(batch_size):
+            text = self.sample(gen)
+            prompt, answer = self.tokenizer.prompt(text), self.tokenizer.answer(self.solve(text))
+            input_ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+            labels[row, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
+        return input_ids, labels
+
+
+def train_steps(model, optimizer, task: StringTask, steps: int, *, batch_size: int = 8, seq_len=None,
+                seed: int = 0, log_every: int = 0, device=None) -> list:
+    """Plain LoRA training loop; each rank draws its own batches. Returns this rank's losses."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = device or next(model.parameters()).device
+    model.train()
+    losses = []
+    for step in range(steps):
+        input_ids, labels = task.batch(batch_size, seed=seed + 100_003 * rank + step, seq_len=seq_len)
+        loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if log_every and rank == 0 and (step % log_every == 0 or step == steps - 1):
+            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+    return losses
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer: CharTokenizer, text: str, max_new_tokens: int | None = None) -> str:
+    """Greedy decoding (no KV cache: the prompts are a few tokens) until EOS."""
+    model.eval()
+    ids = torch.tensor([tokenizer.prompt(text)], device=next(model.parameters()).device)
+    for _ in range(max_new_tokens or len(text) + 1):
+        next_id = model(input_ids=ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        if int(next_id) == tokenizer.EOS:
+            break
+    return tokenizer.decode(ids[0, len(text) + 2:])
+
+
+def accuracy(model, task: StringTask, n: int = 64, seed: int = 12345) -> float:
+    """Exact-match rate of greedy answers on `n` fresh strings."""
+    gen = torch.Generator().manual_seed(seed)
+    texts = [task.sample(gen) for _ in range(n)]
+    return sum(greedy_answer(model, task.tokenizer, t) == task.solve(t) for t in texts) / n
+
+
+# --- the adapter: save from the sharded model, reload and merge -----------------------------------------
+
+def adapter_state_dict(model) -> dict:
+    """Full (unsharded) LoRA weights on rank 0, `{}` elsewhere. A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                               ignore_frozen_params=True))
+
+
+def save_adapter(model, output_dir, adapter_name: str = "default") -> str | None:
+    """Gather the adapter (a collective: all ranks call it) and write it on rank 0 in peft's format:
+    adapter_config.json + adapter_model.safetensors, loadable with `peft.PeftModel.from_pretrained(base, dir)`.
+
+    peft's own `save_pretrained` finds adapters by module name, and the checkpoint wrappers rename the
+    modules (`_checkpoint_wrapped_module`), so it would silently save nothing; the state-dict keys from
+    torch.distributed.checkpoint are already clean, so the file is written here with peft's key convention
+    (adapter name removed).
+    """
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    state = adapter_state_dict(model)
+    path = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tag = f".{adapter_name}"
+        tensors = {k.replace(tag + ".", ".").removesuffix(tag): v.contiguous()
+                   for k, v in state.items() if "lora_" in k}
+        expected = sum(1 for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
+        assert len(tensors) == expected > 0, f"adapter has {len(tensors)} tensors, expected {expected}"
+        os.makedirs(output_dir, exist_ok=True)
+        model.peft_config[adapter_name].save_pretrained(str(output_dir))
+        save_file(tensors, os.path.join(str(output_dir), "adapter_model.safetensors"), metadata={"format": "pt"})
+        path = str(output_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def load_merged(base_path, adapter_dir, dtype=None) -> nn.Module:
+    """A plain transformers model: the base checkpoint with the LoRA update merged into its weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), **kwargs)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+
+
+# --- what FSDP1 (the posts' API) adds ----------------------------------------------------------------------
+
+def fsdp1_frozen_gradients(config="qwen-7b", world_size: int = 8, *, lora_rank: int = 64,
+                           target_modules="all-linear", model_dtype="fp32", precision="fp16",
+                           reduce_precision="fp32") -> dict:
+    """Gradient bytes per rank that FSDP1 (`FullyShardedDataParallel(use_orig_params=True)`, one unit per
+    decoder layer, as the posts wrap) holds on top of FSDP2 for a LoRA model.
+
+    FSDP1 flattens each unit into one FlatParameter. peft puts the frozen base weights and the trainable
+    adapters of a layer in the same unit, so the FlatParameter requires grad, and FSDP1 allocates its gradient
+    for the whole flat tensor: "gradient memory usage ... equivalent to not freezing those parameters"
+    (FSDP docs). FSDP2 shards each parameter separately and gives frozen ones no gradient at all.
+
+    - persistent: the sharded gradient of every frozen weight that shares a unit with an adapter,
+      kept between backward and the optimizer step in the FlatParameter's dtype (`model_dtype`: fp32 when the
+      model is loaded in fp32 and cast by MixedPrecision, fp16 when loaded with torch_dtype=fp16);
+    - transient: the unsharded gradient of one unit's frozen weights in the compute dtype during its backward,
+      plus its cast to `reduce_precision` for the reduce-scatter.
+    The root unit (embeddings, final norm, LM head) holds no adapter, so its FlatParameter is frozen.
+    """
+    import math
+
+    from ..parallel import DTYPES
+
+    for name, value in (("model_dtype", model_dtype), ("precision", precision), ("reduce_precision", reduce_precision)):
+        if value not in DTYPES:
+            raise ValueError(f"{name} must be one of {list(DTYPES)}, got {value!r}.")
+    nbytes = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+    model = build_model(config, lora_rank=lora_rank, target_modules=target_modules, device="meta")
+    units = []
+    for layer in decoder_layers(model):
+        frozen = sum(p.numel() for p in layer.parameters() if not p.requires_grad)
+        trainable = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        units.append((frozen, trainable))
+    frozen_in_mixed = [f for f, t in units if t > 0]
+    persistent = sum(math.ceil((f + t) / world_size) - math.ceil(t / world_size)
+                     for f, t in units if t > 0) * nbytes[model_dtype]
+    largest = max(frozen_in_mixed, default=0)
+    transient = largest * (nbytes[precision] + (nbytes[reduce_precision] if reduce_precision != precision else 0))
+    return {"persistent_bytes": int(persistent), "transient_bytes": int(transient),
+            "extra_peak_bytes": int(persistent + transient), "mixed_units": len(frozen_in_mixed),
+            "frozen_params_with_gradients": int(sum(frozen_in_mixed)), "world_size": world_size,
+            "model_dtype": model_dtype, "precision": precision}
+
+
+# --- torchrun entry point ------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m fsdplab.recipes.lora",
+        description="LoRA fine-tuning under FSDP2 on every rank of a torchrun job (gloo on CPU, nccl on GPUs). "
+                    "Trains on a synthetic string task; saves the adapter with peft.")
+    p.add_argument("--model", default="tiny", help="qwen-7b, qwen2-7b or tiny (random init); ignored with --model-path")
+    p.add_argument("--model-path", default=None, help="local directory of a transformers checkpoint (downloaded weights)")
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
+    p.add_argument("--lora-targets", default="all-linear", help="all-linear, attention, or comma-separated module names")
+    p.add_argument("--task", default="reverse", choices=TASKS)
+    p.add_argument("--seq-len", type=int, default=None, help="pad every sequence to this length (memory as in "
+                                                             "real training); default: the task's length")
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--model-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="storage dtype of the frozen base (default fp32 = FSDP2's master copy)")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-reshard-after-forward is SHARD_GRAD_OP")
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy (needs GPUs)")
+    p.add_argument("--output-dir", default="lora-adapter", help="where rank 0 writes the peft adapter")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    args = p.parse_args(argv)
+    if "," in args.lora_targets:
+        args.lora_targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return args
+
+
+def main(argv=None) -> dict:
+    import os
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    args = parse_args(argv)
+    use_cuda = torch.cuda.is_available()
+    # One visible block of distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*.
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world_size,))
+    if args.cpu_offload and not use_cuda:
+        raise ValueError("--cpu-offload needs GPUs (FSDP2's CPUOffloadPolicy moves shards between host and GPU).")
+
+    task = StringTask(args.task)
+    config = None if args.model_path else (miniature_config(task.tokenizer) if args.model == "tiny"
+                                           else args.model)
+    if rank == 0 and args.model != "tiny":
+        print(f"{args.model_path or args.model}: the string task's character ids are used as token ids "
+              "(enough to measure memory and speed; bring your own data for a real fine-tune).", flush=True)
+    try:
+        model = build_sharded(config, mesh, model_path=args.model_path, device=device, lora_rank=args.lora_rank,
+                              lora_alpha=args.lora_alpha, target_modules=args.lora_targets,
+                              activation_checkpointing=args.activation_checkpointing, dtype=args.model_dtype,
+                              precision=args.precision, reshard_after_forward=args.reshard_after_forward,
+                              cpu_offload=args.cpu_offload, seed=args.seed)
+        optimizer = make_optimizer(model, args.lr)
+        if use_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        losses = train_steps(model, optimizer, task, args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                             seed=args.seed, log_every=args.log_every, device=device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if use_cuda else None
+        peaks = [None] * world_size
+        dist.all_gather_object(peaks, peak)
+        path = save_adapter(model, args.output_dir)
+        result = {"rank": rank, "losses": losses, "seconds": seconds, "adapter": path, "peak_gib": peaks}
+        if rank == 0:
+            print(f"{args.steps} steps in {seconds:.1f} s; loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+                  f"adapter saved to {path}", flush=True)
+            if use_cuda:
+                print("peak memory allocated per rank (GiB): " + ", ".join(f"{p:.2f}" for p in peaks), flush=True)
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
