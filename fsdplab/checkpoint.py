@@ -29,7 +29,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 LATEST = "latest"
 
 
-# --- small helpers ------------------------------------------------------------------------------------
+# --- small utilities -----------------------------------------------------------------------------------
 
 def _dist():
     import torch.distributed as dist

@@ -169,8 +169,8 @@ def test_save_full_every_rank_gathers_rank0_writes(cluster, tmp_path):
     assert all(r[-1] for r in ck.equal_state(saved, loaded))
     from safetensors.torch import load_file
 
-    assert all(r[-1] for r in ck.equal_state({f"model.{k}": v for k, v in load_file(tmp_path / "full.safetensors").items()},
-                                             saved))
+    on_disk = {f"model.{k}": v for k, v in load_file(tmp_path / "full.safetensors").items()}
+    assert all(r[-1] for r in ck.equal_state(on_disk, saved))
 
 
 def _save_full_to(path):
@@ -233,8 +233,9 @@ def test_train_steps_needs_a_divisible_batch(cluster):
 def test_posts_safe_save_hangs_and_restart_recovers(cluster, tmp_path):
     cluster.execute("from fsdplab import checkpoint as ck\nfrom fsdplab.models import TinyConfig\n"
                     "model, opt = ck.sharded_tiny(TinyConfig(dim=32, num_layers=2, seq_len=16))", quiet=True)
-    safe_save = (f"if rank() == 0:\n"
-                 f"    torch.save({{k: v.full_tensor() for k, v in model.state_dict().items()}}, {str(tmp_path / 'x.pt')!r})")
+    safe_save = ("if rank() == 0:\n"
+                 "    full = {k: v.full_tensor() for k, v in model.state_dict().items()}\n"
+                 f"    torch.save(full, {str(tmp_path / 'x.pt')!r})")
     with pytest.raises(fsdplab.RankHang) as hang:
         cluster.execute(safe_save, timeout=4, quiet=True)
     assert hang.value.ranks == [0] and "full_tensor" in hang.value.stacks[0]
