@@ -17,8 +17,10 @@ class Dashboard:
     def __init__(self, controls: dict, draw, title: str = "", figsize=(8, 4)):
         self.controls, self.draw, self.title = controls, draw, title
         self.output = W.Output()
-        with plt.ioff():
-            self.figure = plt.figure(figsize=figsize)
+        self.figure = plt.figure(figsize=figsize)
+        # Closed figures stay drawable but are no longer shown by the inline backend at the end of the
+        # cell: the dashboard shows its figure once, inside its own output area.
+        plt.close(self.figure)
         self.widget = W.VBox([W.HTML(f"<b>{title}</b>") if title else W.HTML(""),
                               W.HBox(list(controls.values()), layout=W.Layout(flex_flow="row wrap")),
                               self.output])
