@@ -424,3 +424,38 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev), "param_device": str(p.to_local().device),
             "optimizer_state_device": str(state["exp_avg"].to_local().device
                                           if hasattr(state["exp_avg"], "to_local") else state["exp_avg"].device)}
+
+
+def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
+    """On a GPU rank: the posts' FSDP1 setup, `FSDP(model, cpu_offload=CPUOffload(offload_params=True))`,
+    wrapped per block, bf16 compute. Returns seconds per step and where the flat parameters live."""
+    import torch
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from .dist import device
+    from .models import Block, random_batch
+    from .parallel import build_tiny
+
+    dev = device()
+    if dev.type != "cuda":
+        raise ValueError("fsdp1_offload_run needs a GPU rank: FSDP1 refuses CPU ranks and offloads from a GPU.")
+    # With offload_params=True FSDP1 keeps the sharded parameters on the CPU, so the model starts there.
+    model = FSDP(build_tiny(cfg, seed=seed, device="cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 cpu_offload=CPUOffload(offload_params=True), device_id=dev,
+                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    cfg = model.module.cfg
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    for step in range(steps + 1):
+        tokens, targets = random_batch(cfg, 8, seed=step, device=dev)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return {"seconds_per_step": sorted(times[1:])[len(times[1:]) // 2],
+            "param_device": str(next(model.parameters()).device)}
