@@ -10,15 +10,15 @@ gradients before the reduce-scatter, the activations and the communication buffe
 Bandwidth figures (vendor specifications, per direction, theoretical peak):
 
 - PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s ("~32 GB/s"); PCIe 5.0 x16: ~63 GB/s
-  ("~64 GB/s"). Measured pinned-memory copies reach about 80-90% of that.
+  ("~64 GB/s"). Pinned-memory copies reach only part of the peak; `step_time` assumes 80%.
 - GPU memory bandwidth: NVIDIA A10 600 GB/s (GDDR6, 24 GB; PCIe 4.0 card); A100 80GB SXM ~2 TB/s
   (2,039 GB/s HBM2e; PCIe 4.0 host link); H100 SXM 3.35 TB/s (HBM3; PCIe 5.0 host link).
 - Dense bf16 tensor-core peak: A10 125 TFLOP/s, A100 312 TFLOP/s, H100 SXM 989 TFLOP/s (the data sheets'
   larger numbers assume 2:4 sparsity).
 
 So the host link is ~1/19 of an A10's memory bandwidth, ~1/64 of an A100's and ~1/52 of an H100's (PCIe 5),
-not "1/10". Reported end-to-end slowdowns of FSDP CPU offload are 3-10x, not 30% (pytorch/pytorch#74588),
-because the CPU optimizer step is added to every step on top of the copies.
+not "1/10". Reported end-to-end slowdowns of FSDP CPU offload with AdamW are 3-10x, not 30%, and the
+profile there shows the CPU optimizer step, not the device-to-host copies, as the cause (pytorch/pytorch#74588).
 
 FSDP has no NVMe tier: offloading optimizer state or parameters to NVMe is DeepSpeed ZeRO-Infinity.
 """
