@@ -389,8 +389,9 @@ class Cluster:
     def _exit_code(self, proc):
         # ipyparallel's launcher thread reaps the engine and psutil caches the code on that Process
         # object; waiting here as well would race it for the code.
-        for engine_set in self._ipp.engines.values():
-            for launcher in getattr(engine_set, "launchers", {}).values():
+        # Copies: ipyparallel drops a dead engine from these tables while we look.
+        for engine_set in list(self._ipp.engines.values()):
+            for launcher in list(getattr(engine_set, "launchers", {}).values()):
                 if launcher.pid == proc.pid and getattr(launcher, "_wait_thread", None) is not None:
                     launcher._wait_thread.join(timeout=5)
         code = getattr(proc, "_exitcode", None)
