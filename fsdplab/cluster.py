@@ -257,13 +257,13 @@ class Cluster:
                 self.run(dist.teardown, timeout=10, quiet=True)
             except Exception:
                 self._broken = "a failed teardown"
-        if self._broken is not None:
-            # Stuck ranks ignore polite signals while inside a collective; nothing of theirs is worth saving.
-            for proc in self._procs.values():
-                try:
-                    proc.kill()
-                except Exception:
-                    pass
+        # The group has been left (or is stuck, and stuck ranks ignore polite signals): nothing on the
+        # ranks is worth saving, and ipyparallel's graceful engine shutdown alone takes seconds.
+        for proc in self._procs.values():
+            try:
+                proc.kill()
+            except Exception:
+                pass
         try:
             self._client.close()
         except Exception:
