@@ -375,7 +375,8 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     if isinstance(mesh, tuple):  # (shape, names): build it here, on the rank
         mesh = make_mesh(*mesh)
     model = build_tiny(cfg, seed=seed)
-    block_params = sum(p.numel() for b in blocks_of(model) for p in b.parameters())
+    blocks = blocks_of(model)
+    block_params = sum(p.numel() for b in blocks for p in b.parameters())
     total_params = sum(p.numel() for p in model.parameters())
     model = parallelize(model, strategy, mesh=mesh)
     if explicit_prefetch and strategy in ("full_shard", "shard_grad_op"):
@@ -394,10 +395,36 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     for _ in range(warmup_steps):
         step()
     with CommCounter(mesh=mesh) as counter:
-        step(counter)
+        handles = add_compute_markers(counter, {f"layers.{i}": b for i, b in enumerate(blocks)})
+        try:
+            step(counter)
+        finally:
+            for handle in handles:
+                handle.remove()
     return {"strategy": strategy, "events": counter.events, "block_params": block_params,
             "root_params": total_params - block_params, "params": total_params, "param_bytes": 4 * total_params,
             "num_layers": cfg.num_layers}
+
+
+def add_compute_markers(counter: CommCounter, modules: dict) -> list:
+    """Log "fwd NAME" when each module's forward starts and "bwd NAME" when its backward starts (the
+    gradient of its output arrives), so the event log shows which collectives ran ahead of which layer.
+    Hooks added after `fully_shard` run after FSDP's own, so a forward marker follows that unit's all-gather
+    (and any prefetch it issued). Returns the hook handles; remove them when done."""
+    import torch
+
+    handles = []
+    for name, module in modules.items():
+        def pre(mod, args, name=name):
+            counter.marker(f"fwd {name}")
+
+        def post(mod, args, out, name=name):
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                handles.append(y.register_hook(lambda grad, name=name: counter.marker(f"bwd {name}")))
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return handles
 
 
 def set_explicit_prefetch(model, depth: int = 1) -> None:

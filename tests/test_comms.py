@@ -112,6 +112,17 @@ def test_live_units_per_strategy(steps, cluster):
     deep = cluster.run(comms.count_train_step, "full_shard", cfg=CFG, explicit_prefetch=2, quiet=True)[0]
     assert comms.peak_live_units(deep["events"], "forward") == 3
 
+    def order(out):
+        return [e.get("label") if e["event"] == "marker" else (e["kind"], e["unit"])
+                for e in out["events"] if e["event"] != "reshard"]
+
+    # without explicit prefetch block 1 is gathered after block 0's forward starts; with depth 2, before it
+    default, ahead = order(steps["full_shard"]), order(deep)
+    assert default.index(("all_gather", "layers.1")) > default.index("fwd layers.0")
+    assert ahead.index(("all_gather", "layers.2")) < ahead.index("fwd layers.0")
+    # FSDP2's backward prefetch: block 1's all-gather is issued before block 2's backward starts
+    assert default.index(("all_gather", "layers.1")) < default.index("bwd layers.2")
+
 
 def _plain_calls():
     import torch
