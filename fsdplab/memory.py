@@ -483,6 +483,9 @@ def _estimate_here(model, *, world_size, lora_rank, lora_alpha, lora_targets, se
     from .fake import eager_attention_masks, fake_process_group, fake_tensor_mode
     from .parallel import apply_fsdp, blocks_of
 
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     label = f"{model if isinstance(model, str) else type(model).__name__} x{world_size}"
     say = _progress_printer(progress, label, progress_stream)
     t0 = time.perf_counter()
@@ -516,7 +519,7 @@ def _estimate_here(model, *, world_size, lora_rank, lora_alpha, lora_targets, se
         notes.append(f"{precision} compute with fp32 sharded parameters (the master copy) and fp32 gradient "
                      "reduction, as FSDP2's MixedPrecisionPolicy does.")
     notes.append("FSDP2 pads each parameter's dim 0 to a multiple of the world size: resident shards include it.")
-    say(f"peak {peak / GIB:.2f} GiB")
+    say(f"peak {peak / GIB:.2f} GiB" if peak > GIB / 4 else f"peak {peak / 2**20:.2f} MiB")
     return MemoryReport(peak_bytes=int(peak), by_category=by_category, world_size=world_size,
                         settings=_settings(model, world_size, lora_rank, lora_alpha, lora_targets, seq_len,
                                            batch_size, precision, activation_checkpointing,
@@ -618,6 +621,78 @@ def measure_setting(model="tiny", *, lora_rank=None, lora_alpha=None, lora_targe
     return report
 
 
+# --- lesson helpers (run on ranks) ----------------------------------------------------------------------
+
+def shard_layout(shapes=((8, 4), (7, 4))) -> list:
+    """On a rank: fully_shard a module holding one parameter per shape over all ranks and report what this
+    rank keeps of each: local shape, placements, and the bytes of its (padded) storage."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from .dist import mesh
+
+    module = nn.Module()
+    for i, shape in enumerate(shapes):
+        module.register_parameter(f"w{i}", nn.Parameter(torch.arange(math.prod(shape), dtype=torch.float32)
+                                                        .reshape(shape)))
+    fully_shard(module, mesh=mesh())
+    rows = []
+    for (name, p), shape in zip(module.named_parameters(), shapes):
+        local = p.to_local()
+        rows.append({"parameter": name, "global_shape": tuple(shape), "local_shape": tuple(local.shape),
+                     "placements": str(p.placements), "local_values": local.tolist(),
+                     "storage_bytes": local.untyped_storage().nbytes()})
+    return rows
+
+
+_GROUPS: dict = {}
+
+
+def _subgroup(size: int):
+    """(process group of ranks 0..size-1, member?) : every rank must call it, in the same order."""
+    import torch.distributed as dist
+
+    if size not in _GROUPS:
+        _GROUPS[size] = dist.group.WORLD if size == dist.get_world_size() else dist.new_group(list(range(size)))
+    return _GROUPS[size], dist.get_rank() < size
+
+
+def replica_bytes(strategy: str = "full_shard", group_size: int | None = None, cfg=None, steps: int = 2,
+                  batch_size: int = 2, per_block: bool = True, optimizer: str = "adamw"):
+    """On every rank: train the tiny transformer (fp32, Adam) with `strategy` ('ddp' is real DDP,
+    'shard_grad_op', 'full_shard') over ranks 0..group_size-1 and `measure` it. Ranks outside the group
+    return None; members return their MemoryReport with `detail['params']` = the model's parameter count."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .dist import device, world_size
+    from .models import TinyConfig, TinyTransformer, random_batch
+    from .parallel import apply_fsdp
+
+    _check_choice("strategy", strategy, ("ddp", "shard_grad_op", "full_shard"))
+    group, member = _subgroup(group_size or world_size())
+    if not member:
+        return None
+    cfg = cfg or TinyConfig()
+    torch.manual_seed(0)
+    model = TinyTransformer(cfg).to(device())
+    params = sum(p.numel() for p in model.parameters())
+    if strategy == "ddp":
+        model = DistributedDataParallel(model, process_group=group)
+    else:
+        mesh = DeviceMesh.from_group(group, device().type)
+        apply_fsdp(model, mesh, reshard_after_forward=strategy == "full_shard", per_block=per_block)
+    opt = make_optimizer(model, optimizer, lr=1e-3)
+    batch = random_batch(cfg, batch_size, seed=torch.distributed.get_rank(), device=device())
+    report = measure(model, opt, batch, steps=steps,
+                     loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()))
+    report.detail["params"] = params
+    report.settings.update(strategy=strategy, group_size=group_size or world_size(), per_block=per_block)
+    return report
+
+
 # --- the command line -----------------------------------------------------------------------------------
 
 def estimate_command(args) -> int:
@@ -654,6 +729,14 @@ def draw_stacked(ax, labels, reports, gpu_mem_gib=None, highlight=None):
     if highlight is not None:
         ax.bar([labels[highlight]], [bottoms[highlight]], fill=False, edgecolor="black", linewidth=2)
     if gpu_mem_gib:
+        # Keep the GPU line readable: bars far above it are clipped and labelled with their height.
+        top = max(2.5 * gpu_mem_gib, 1.15 * (bottoms[highlight] if highlight is not None else 0))
+        if max(bottoms) > top:
+            ax.set_ylim(0, top)
+            for x, height in zip(labels, bottoms):
+                if height > top:
+                    ax.text(x, top * 0.97, f"{height:.0f}", ha="center", va="top", fontsize=8, color="white",
+                            fontweight="bold")
         ax.axhline(gpu_mem_gib, color="black", linestyle="--", linewidth=1)
         ax.text(len(labels) - 0.5, gpu_mem_gib, f" {gpu_mem_gib:g} GiB GPU", va="bottom", ha="right", fontsize=8)
     ax.set_ylabel("memory per GPU (GiB)")
@@ -676,7 +759,7 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
         "optimizer": W.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer"),
         "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing"),
         "lora_rank": W.Dropdown(options=[0, 8, 16, 64, 128], value=lora_rank, description="LoRA r (0: full)"),
-        "seq_len": W.Dropdown(options=[256, 512, 1024, 2048, 4096, 8192], value=seq_len, description="seq len"),
+        "seq_len": W.Dropdown(options=[64, 128, 256, 512, 1024, 2048, 4096, 8192], value=seq_len, description="seq len"),
         "gpu_mem_gib": W.Dropdown(options=[16, 24, 40, 48, 80, 141], value=gpu_mem_gib, description="GPU GiB"),
     }
     exact: dict = {}
