@@ -79,6 +79,16 @@ def say(*parts) -> None:
     print(*parts, flush=True)
 
 
+_RESULT_PATH = None   # set in a section's process: where its result goes
+
+
+def save_partial(details: dict, note: str) -> None:
+    """Write what a section has measured so far: if it is killed at its budget, this much survives."""
+    if _RESULT_PATH:
+        Path(_RESULT_PATH).write_text(json.dumps({"status": "FAIL", "reason": note, "details": details,
+                                                  "partial": True}, default=str))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -291,7 +301,7 @@ def fsdp1_step(name, fsdp_kwargs, how, cfg, device):
     if how.get("scaler"):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        scaler = ShardedGradScaler()
+        scaler = ShardedGradScaler(init_scale=2.0 ** 10)   # low: an overflow would skip the one step
     before = [p.detach().clone() for p in model.parameters()]
     tokens, targets = random_batch(cfg, 4, seed=1, device=device)
     on_gpu = device.type == "cuda"
@@ -318,7 +328,7 @@ def fsdp1_step(name, fsdp_kwargs, how, cfg, device):
            "effective_strategy": getattr(getattr(model, "sharding_strategy", None), "name", None),
            "param_devices": param_devices, "layer0_weight_and_input_dtype": seen.get("dtype"),
            "peak_mib": round(torch.cuda.max_memory_allocated() / MIB, 2) if on_gpu else None,
-           "step_s": round(seconds, 4)}
+           "step_s": round(seconds, 4), "grad_scale": scaler.get_scale() if scaler is not None else None}
     problems = []
     if not math.isfinite(row["loss"]):
         problems.append(f"loss {row['loss']}")
@@ -584,6 +594,7 @@ def section_memory(args, budget):
         except Exception as e:
             row["error"] = f"estimate: {type(e).__name__}: {e}"
             traceback.print_exc()
+        save_partial({"cases": rows}, f"stopped after the estimate of {row['label']}")
     # 2) The same recipe for real: on the GPU; on CPU (gloo) only the tiny model, to run the code path.
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     if gpu:
@@ -611,6 +622,7 @@ def section_memory(args, budget):
             except Exception as e:
                 row["error"] = f"real run: {type(e).__name__}: {e}"
                 traceback.print_exc()
+            save_partial({"cases": rows}, f"stopped after the real run of {row['label']}")
     # 3) The table.
     say(f"\n{'case':<22}{'params':>15}{'trainable':>15}{'seq x batch':>12}{'estimate GiB':>14}"
         f"{'measured GiB':>14}{'ratio':>8}  verdict")
@@ -674,8 +686,9 @@ def copy_bandwidth(nbytes: int, reps: int = 5) -> dict:
     return out
 
 
-def offload_steps(config, *, cpu_offload, steps, device, seq_len, batch_size):
-    """FSDP2 full fine-tune (bf16 compute) with or without CPUOffloadPolicy; seconds of each step."""
+def offload_steps(config, *, cpu_offload, steps, device, seq_len, batch_size, deadline=math.inf):
+    """FSDP2 full fine-tune (bf16 compute) with or without CPUOffloadPolicy; seconds of each step (fewer
+    steps than asked if the next one would end past `deadline`, but at least two)."""
     import torch
 
     release_cuda()
@@ -696,6 +709,8 @@ def offload_steps(config, *, cpu_offload, steps, device, seq_len, batch_size):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if len(times) >= 2 and time.monotonic() + 1.5 * times[-1] > deadline:
+            break
     param_device = sorted({(p.to_local() if hasattr(p, "to_local") else p).device.type for p in model.parameters()})
     state_devices = sorted({v.device.type for s in opt.state.values() for v in s.values()
                             if hasattr(v, "device") and v.dim() > 0})
@@ -725,6 +740,16 @@ def section_offload(args, budget):
         f"pageable {bw['h2d_pageable_gb_s']}; device->host pinned {bw['d2h_pinned_gb_s']}, "
         f"pageable {bw['d2h_pageable_gb_s']}")
     problems = [f"{k} = {v}" for k, v in bw.items() if not v > 0]
+    try:    # lesson 03's own measurement, for comparison
+        from fsdplab.offload import measure_host_bandwidth
+
+        lesson = measure_host_bandwidth(args.copy_mib)
+        details["lesson03_measure_host_bandwidth_gb_s"] = {k: round(v / 1e9, 2) for k, v in lesson.items()}
+        say(f"  fsdplab.offload.measure_host_bandwidth (pinned, wall clock): "
+            + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in lesson.items()))
+    except Exception as e:
+        details["lesson03_measure_host_bandwidth_error"] = f"{type(e).__name__}: {e}"
+    save_partial(details, "stopped after the bandwidth measurement")
 
     # The 1.0B model if the budget allows (CPU AdamW over 1B parameters takes seconds a step); else fewer layers.
     layers = ONE_B["num_hidden_layers"]
@@ -745,7 +770,7 @@ def section_offload(args, budget):
         for off in (False, True):
             try:
                 runs[off] = offload_steps(config, cpu_offload=off, steps=args.offload_steps, device=device,
-                                          seq_len=2048, batch_size=1)
+                                          seq_len=2048, batch_size=1, deadline=start + budget - 10)
                 r = runs[off]
                 say(f"  CPUOffloadPolicy={off}: steps {r['step_s']} s, peak GPU {r['peak_gpu_gib']:.2f} GiB, "
                     f"parameters on {r['param_devices']}, AdamW state on {r['optimizer_state_devices']}, "
@@ -755,6 +780,8 @@ def section_offload(args, budget):
             except Exception as e:
                 problems.append(f"offload={off}: {type(e).__name__}: {e}")
                 traceback.print_exc()
+            details["runs"] = {str(k): v for k, v in runs.items()}
+            save_partial(details, f"stopped after the run with CPUOffloadPolicy={off}")
     details["runs"] = {str(k): v for k, v in runs.items()}
     if len(runs) == 2:
         # The first step also allocates the optimizer state: time the later ones.
@@ -855,6 +882,9 @@ def section_lessons(args, budget):
                    "detail": "time budget spent"}
         else:
             row = run_lesson(path, ws, out_dir, args.lesson_param, min(args.lesson_timeout, left), out_dir)
+            if row["status"] == "TIMEOUT" and left < args.lesson_timeout:
+                # Stopped by the total budget, not by its own limit: unfinished, not failed.
+                row.update(status="CUT", detail=f"stopped at the total budget after {row['seconds']:.0f} s")
         with lock:
             rows.append(row)
             say(f"  [{path.stem}] {row['status']} in {row['seconds']:.0f} s {row['detail']}")
@@ -874,14 +904,14 @@ def section_lessons(args, budget):
     say("\n" + "\n".join(table))
     details = {"lessons": rows, "out": str(out_dir)}
     bad = [r["lesson"] for r in rows if r["status"] in ("FAILED", "TIMEOUT")]
-    skipped = [r["lesson"] for r in rows if r["status"] == "SKIPPED"]
+    skipped = [r["lesson"] for r in rows if r["status"] in ("SKIPPED", "CUT")]
     if bad:
         return "FAIL", f"{len(bad)}/{len(rows)} lesson(s) failed: {', '.join(bad)}", details
     if not rows:
         return "SKIP", "no lessons matched", details
     reason = f"{len(rows) - len(skipped)} lesson(s) ran clean"
     if skipped:
-        reason += f"; not run (time budget): {', '.join(skipped)}"
+        reason += f"; not run or not finished within the total budget: {', '.join(skipped)}"
     return "PASS", reason, details
 
 
@@ -896,6 +926,8 @@ def run_child(args) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)   # transformers' deprecation notes
+    global _RESULT_PATH
+    _RESULT_PATH = args.result
     t0 = time.perf_counter()
     try:
         status, reason, details = SECTION_FUNCS[args.child](args, args.child_budget)
@@ -952,12 +984,17 @@ def run_section_process(name, args, timeout, tee) -> dict:
     reader.join(timeout=5)
     seconds = round(time.perf_counter() - t0, 2)
     try:
-        result = json.loads(Path(result_path).read_text()) if not timed_out else None
+        result = json.loads(Path(result_path).read_text())
     except (OSError, ValueError):
         result = None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(result_path)
+    if result is not None and (timed_out or result.get("partial")):
+        why = (f"exceeded its budget of {timeout:.0f} s and was killed" if timed_out
+               else f"its process exited with code {proc.returncode}")
+        result = {"status": "FAIL", "reason": f"{why}; partial results kept ({result['reason']})",
+                  "details": result.get("details", {})}
     if result is None:
         last = "".join(tail[-5:]).strip().replace("\n", " | ")[-400:]
         why = (f"exceeded its budget of {timeout:.0f} s and was killed" if timed_out
