@@ -217,9 +217,10 @@ def formula(model="qwen-7b", world_size: int = 8, *, strategy: str = "full_shard
             optimizer: str = "adamw", lora_rank: int | None = None, lora_targets: str = "all-linear",
             seq_len: int = 2048, batch_size: int = 1, activation_checkpointing: bool = False,
             cpu_offload: bool = False, per_block: bool = True, shard_group_size: int | None = None,
-            activation_bytes: int | None = None) -> MemoryReport:
+            flash_attention: bool = True, activation_bytes: int | None = None) -> MemoryReport:
     """Analytic per-rank memory. Model states follow two layouts that both cost 16 bytes per trained
-    parameter with Adam:
+    parameter with Adam (a parameter count such as 60.2e6 works too; transformer names or configs add the
+    unit in flight and activations):
 
     - DDP / ZeRO-1 / ZeRO-2 (the ZeRO paper's mixed precision): 2-byte weights and gradients, 12 bytes of
       fp32 optimizer state (master copy, m, v). ZeRO-1 shards the optimizer state, ZeRO-2 also gradients.
@@ -229,9 +230,12 @@ def formula(model="qwen-7b", world_size: int = 8, *, strategy: str = "full_shard
 
     With fp32 every layout is 4 + 4 + 8. SGD keeps one momentum buffer (4 B), no step counter. Frozen
     (LoRA base) weights keep no gradient and no optimizer state. Activations (transformers only):
-    Korthikanti et al. s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations, 2*s*b*h per layer with
-    checkpointing (plus one layer recomputed), plus the logits s*b*vocab*(2 + 4 + 4) (16-bit logits, the
-    fp32 copy the loss takes, the fp32 log-softmax). The categories are summed as if their peaks coincide.
+    Korthikanti et al. s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations, where 5*a*s/h is the
+    attention score matrices: flash / memory-efficient SDPA kernels (transformers' default, and what
+    `estimate` runs) never store them, so `flash_attention=True` (the default) drops that term. With
+    checkpointing 2*s*b*h per layer is kept, plus one layer recomputed at a time. Plus the logits
+    s*b*vocab*(2 + 4 + 4) (16-bit logits, the fp32 copy the loss takes, the fp32 log-softmax).
+    The categories are summed as if their peaks coincide, so the total is an upper estimate.
     """
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("precision", precision, PRECISIONS)
@@ -306,7 +310,7 @@ def formula(model="qwen-7b", world_size: int = 8, *, strategy: str = "full_shard
     elif spec.is_transformer:
         s, b, h, a, L = seq_len, batch_size, spec.hidden, spec.num_heads, spec.num_layers
         scale = w / 2                        # the paper counts 16-bit activations
-        per_layer = s * b * h * (34 + 5 * a * s / h) * scale
+        per_layer = s * b * h * (34 + (0 if flash_attention else 5 * a * s / h)) * scale
         blocks = L * 2 * s * b * h * scale + per_layer if activation_checkpointing else L * per_layer
         logits = s * b * spec.vocab * (w + 4 + 4)
         acts = int(blocks + logits)
@@ -325,7 +329,8 @@ def formula(model="qwen-7b", world_size: int = 8, *, strategy: str = "full_shard
                      f"{sum(moved.values()) / GIB:.2f} GiB) live in host memory, not on the GPU.")
     settings = dict(model=spec.name, strategy=strategy, precision=precision, optimizer=optimizer,
                     lora_rank=lora_rank, seq_len=seq_len, batch_size=batch_size,
-                    activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)
+                    activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+                    flash_attention=flash_attention)
     return MemoryReport(peak_bytes=sum(by_category.values()), by_category=by_category, world_size=n,
                         settings=settings, notes=notes, source="formula",
                         resident={k: int(v) for k, v in resident.items()}, detail=detail)
