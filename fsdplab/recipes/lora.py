@@ -287,9 +287,25 @@ def train_steps(model, optimizer, task: StringTask, steps: int, *, batch_size: i
     return losses
 
 
-@torch.no_grad()
+class _one_thread:
+    """Tiny models decode fastest on one thread: more only spin and wait (worse on a busy machine)."""
+
+    def __enter__(self):
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.threads)
+
+
 def greedy_answer(model, tokenizer: CharTokenizer, text: str, max_new_tokens: int | None = None) -> str:
     """Greedy decoding (no KV cache: the prompts are a few tokens) until EOS."""
+    with _one_thread():
+        return _greedy(model, tokenizer, text, max_new_tokens)
+
+
+@torch.no_grad()
+def _greedy(model, tokenizer, text, max_new_tokens):
     model.eval()
     ids = torch.tensor([tokenizer.prompt(text)], device=next(model.parameters()).device)
     for _ in range(max_new_tokens or len(text) + 1):
@@ -304,7 +320,8 @@ def accuracy(model, task: StringTask, n: int = 64, seed: int = 12345) -> float:
     """Exact-match rate of greedy answers on `n` fresh strings."""
     gen = torch.Generator().manual_seed(seed)
     texts = [task.sample(gen) for _ in range(n)]
-    return sum(greedy_answer(model, task.tokenizer, t) == task.solve(t) for t in texts) / n
+    with _one_thread():
+        return sum(_greedy(model, task.tokenizer, t, None) == task.solve(t) for t in texts) / n
 
 
 # --- the adapter: save from the sharded model, reload and merge -----------------------------------------
@@ -360,6 +377,22 @@ def load_merged(base_path, adapter_dir, dtype=None) -> nn.Module:
 
 # --- what FSDP1 (the posts' API) adds ----------------------------------------------------------------------
 
+_UNIT_SIZES: dict = {}
+
+
+def _unit_sizes(config, lora_rank, target_modules) -> list:
+    """(frozen, trainable) element counts of each decoder layer, from a meta build (cached for named models)."""
+    key = (config, lora_rank, str(target_modules)) if isinstance(config, str) else None
+    if key in _UNIT_SIZES:
+        return _UNIT_SIZES[key]
+    model = build_model(config, lora_rank=lora_rank, target_modules=target_modules, device="meta")
+    units = [(sum(p.numel() for p in layer.parameters() if not p.requires_grad),
+              sum(p.numel() for p in layer.parameters() if p.requires_grad)) for layer in decoder_layers(model)]
+    if key is not None:
+        _UNIT_SIZES[key] = units
+    return units
+
+
 def fsdp1_frozen_gradients(config="qwen-7b", world_size: int = 8, *, lora_rank: int = 64,
                            target_modules="all-linear", model_dtype="fp32", precision="fp16",
                            reduce_precision="fp32") -> dict:
@@ -386,12 +419,7 @@ def fsdp1_frozen_gradients(config="qwen-7b", world_size: int = 8, *, lora_rank: 
         if value not in DTYPES:
             raise ValueError(f"{name} must be one of {list(DTYPES)}, got {value!r}.")
     nbytes = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
-    model = build_model(config, lora_rank=lora_rank, target_modules=target_modules, device="meta")
-    units = []
-    for layer in decoder_layers(model):
-        frozen = sum(p.numel() for p in layer.parameters() if not p.requires_grad)
-        trainable = sum(p.numel() for p in layer.parameters() if p.requires_grad)
-        units.append((frozen, trainable))
+    units = _unit_sizes(config, lora_rank, target_modules)
     frozen_in_mixed = [f for f, t in units if t > 0]
     persistent = sum(math.ceil((f + t) / world_size) - math.ceil(t / world_size)
                      for f, t in units if t > 0) * nbytes[model_dtype]
@@ -401,6 +429,188 @@ def fsdp1_frozen_gradients(config="qwen-7b", world_size: int = 8, *, lora_rank: 
             "extra_peak_bytes": int(persistent + transient), "mixed_units": len(frozen_in_mixed),
             "frozen_params_with_gradients": int(sum(frozen_in_mixed)), "world_size": world_size,
             "model_dtype": model_dtype, "precision": precision}
+
+
+# --- the case study at full scale: settings, grids, figures (lesson 06) ----------------------------------
+
+GIB = 1024 ** 3
+# The posts' setup: Qwen-7B, LoRA r=64 on every linear layer, FULL_SHARD, fp16, activation checkpointing.
+# Sequence length and micro-batch are not stated in the posts; 2048 x 1 is the common default.
+POSTS_SETTING = dict(model="qwen-7b", world_size=8, lora_rank=64, lora_alpha=128, lora_targets="all-linear",
+                     seq_len=2048, batch_size=1, precision="fp16", activation_checkpointing=True,
+                     reshard_after_forward=True)
+POSTS_BAND_GIB = (17.0, 19.0)   # "17-19 GB per card", read as nvidia-smi's GiB
+
+
+def setting(**changes) -> dict:
+    """The posts' setting with some knobs changed; ValueError for a knob that does not exist."""
+    unknown = set(changes) - set(POSTS_SETTING)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {sorted(unknown)}: use {sorted(POSTS_SETTING)}.")
+    return {**POSTS_SETTING, **changes}
+
+
+def exact(settings: list, workers: int = 2, progress: bool = False) -> list:
+    """`fsdplab.memory.estimate` for each setting, `workers` at a time (each in its own process: one fake
+    process group per process). Returns the reports in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .. import memory
+
+    def one(kw):
+        kw = dict(kw)
+        return memory.estimate(kw.pop("model"), kw.pop("world_size"), progress=progress, subprocess_mode=True, **kw)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(one, settings))
+
+
+def formula(**kw):
+    """`fsdplab.memory.formula` for a setting dict (as `setting()` makes it)."""
+    from .. import memory
+
+    kw = dict(kw)
+    kw.pop("lora_alpha", None)
+    reshard = kw.pop("reshard_after_forward", True)
+    return memory.formula(kw.pop("model"), kw.pop("world_size"),
+                          strategy="full_shard" if reshard else "shard_grad_op", **kw)
+
+
+def formula_grid(seq_lens, batch_sizes, **kw):
+    """Peak GiB from the formula: rows = micro-batch sizes, columns = sequence lengths."""
+    return [[formula(**setting(**kw, seq_len=s, batch_size=b)).peak_bytes / GIB for s in seq_lens]
+            for b in batch_sizes]
+
+
+def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24.0):
+    """Colour: the formula's peak per GPU; a cell with an exact estimate shows it in bold with a star.
+    Cells over `gpu_gib` are hatched (does not fit)."""
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
+
+    grid = np.array(grid_gib, dtype=float)
+    norm = TwoSlopeNorm(vmin=min(grid.min(), gpu_gib - 1), vcenter=gpu_gib, vmax=max(grid.max(), gpu_gib + 1))
+    image = ax.imshow(grid, cmap="RdYlGn_r", norm=norm, origin="lower", aspect="auto")
+    for i, b in enumerate(batch_sizes):
+        for j, s in enumerate(seq_lens):
+            found = (exact_gib or {}).get((s, b))
+            text = f"{grid[i, j]:.1f}" + (f"\n★{found:.1f}" if found is not None else "")
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    fontweight="bold" if found is not None else "normal")
+            if grid[i, j] > gpu_gib:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="black",
+                                       linewidth=0))
+    ax.set_xticks(range(len(seq_lens)), [str(s) for s in seq_lens])
+    ax.set_yticks(range(len(batch_sizes)), [str(b) for b in batch_sizes])
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("micro-batch per GPU (sequences)")
+    return image
+
+
+def draw_breakdown(ax, labels, reports, extras=None, gpu_gib=24.0, band=POSTS_BAND_GIB):
+    """Stacked bars (GiB) of each report's categories; `extras[i]` (bytes) stacks FSDP1's frozen-weight
+    gradients on top. The posts' band and the GPU size are drawn as horizontal lines."""
+    from .. import memory
+
+    bottoms = [0.0] * len(reports)
+    for name in memory.CATEGORIES:
+        values = [r.by_category.get(name, 0) / GIB for r in reports]
+        ax.bar(labels, values, bottom=bottoms, color=memory.COLORS[name], label=memory.CATEGORY_LABELS[name])
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if extras:
+        values = [(e or 0) / GIB for e in extras]
+        ax.bar(labels, values, bottom=bottoms, color="#bbbbbb", hatch="xx", edgecolor="#555555",
+               label="FSDP1: gradients of frozen weights")
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if band:
+        ax.axhspan(*band, color="gold", alpha=0.3, label=f"posts: {band[0]:g}-{band[1]:g} GB per card")
+    if gpu_gib:
+        ax.axhline(gpu_gib, color="black", linestyle="--", linewidth=1, label=f"A10: {gpu_gib:g} GiB")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    return bottoms
+
+
+_FSDP1_CACHE: dict = {}
+
+
+def fsdp1_extra_bytes(model="qwen-7b", world_size=8, lora_rank=64, lora_targets="all-linear", precision="fp16",
+                      model_dtype="fp32") -> int:
+    """Cached `fsdp1_frozen_gradients(...)["extra_peak_bytes"]` (a meta build of the model per new key)."""
+    key = (model, world_size, lora_rank, lora_targets, precision, model_dtype)
+    if key not in _FSDP1_CACHE:
+        _FSDP1_CACHE[key] = fsdp1_frozen_gradients(model, world_size, lora_rank=lora_rank,
+                                                   target_modules=lora_targets, precision=precision,
+                                                   model_dtype=model_dtype)["extra_peak_bytes"]
+    return _FSDP1_CACHE[key]
+
+
+def lora_dashboard(gpu_gib: float = 24.0, **start):
+    """Knobs of the posts' setup -> per-GPU breakdown (formula, instant) and "fits / does not fit" on an
+    A10; the button runs the exact estimate for the current knobs (10-60 s) and marks it on the bar."""
+    import ipywidgets as W
+
+    from ..widgets import Dashboard
+
+    s = setting(**start)
+    controls = {
+        "seq_len": W.Dropdown(options=[512, 1024, 2048, 4096, 8192], value=s["seq_len"], description="seq len"),
+        "batch_size": W.Dropdown(options=[1, 2, 4, 8], value=s["batch_size"], description="micro-batch"),
+        "activation_checkpointing": W.Checkbox(value=s["activation_checkpointing"], description="checkpointing"),
+        "strategy": W.Dropdown(options=["FULL_SHARD", "SHARD_GRAD_OP"],
+                               value="FULL_SHARD" if s["reshard_after_forward"] else "SHARD_GRAD_OP",
+                               description="strategy"),
+        "precision": W.Dropdown(options=["fp16", "bf16"], value=s["precision"], description="precision"),
+        "lora_rank": W.Dropdown(options=[8, 16, 32, 64, 128], value=s["lora_rank"], description="LoRA r"),
+        "lora_targets": W.Dropdown(options=["all-linear", "attention"], value=s["lora_targets"], description="targets"),
+        "api": W.Dropdown(options=["FSDP2", "FSDP1 use_orig_params"], value="FSDP2", description="API"),
+    }
+    found: dict = {}
+
+    def knobs_to_setting(v):
+        return setting(seq_len=v["seq_len"], batch_size=v["batch_size"], precision=v["precision"],
+                       activation_checkpointing=v["activation_checkpointing"], lora_rank=v["lora_rank"],
+                       lora_alpha=2 * v["lora_rank"], lora_targets=v["lora_targets"],
+                       reshard_after_forward=v["strategy"] == "FULL_SHARD")
+
+    def draw(fig, **v):
+        kw = knobs_to_setting(v)
+        report = formula(**kw)
+        extra = fsdp1_extra_bytes(kw["model"], kw["world_size"], kw["lora_rank"], kw["lora_targets"],
+                                  kw["precision"]) if v["api"] != "FSDP2" else 0
+        total = (report.peak_bytes + extra) / GIB
+        fits = total <= gpu_gib
+        ax = fig.add_subplot(1, 1, 1)
+        draw_breakdown(ax, ["formula"], [report], [extra], gpu_gib=gpu_gib)
+        key = tuple(sorted(kw.items()))
+        if key in found:
+            ax.plot([0], [(found[key].peak_bytes + extra) / GIB], marker="*", markersize=16, color="gold",
+                    markeredgecolor="black", linestyle="none", label="exact estimate")
+        ax.set_ylim(0, max(gpu_gib * 1.15, total * 1.1))
+        ax.set_title(f"Qwen-7B LoRA on 8 x A10: {total:.1f} GiB per GPU -> "
+                     + ("fits" if fits else "does NOT fit"), fontsize=10)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.tight_layout()
+        return {"setting": kw, "report": report, "fsdp1_extra_bytes": extra, "total_gib": total, "fits": fits,
+                "exact": found.get(key)}
+
+    dash = Dashboard(controls, draw, title="Qwen-7B LoRA per-GPU memory (formula; button: exact)", figsize=(7, 4))
+    button, status = W.Button(description="exact estimate"), W.Output()
+
+    def run_exact(_button=None):
+        kw = knobs_to_setting(dash.values)
+        with status:
+            status.clear_output()
+            print("running fsdplab.memory.estimate ...")
+            [report] = exact([kw], workers=1)
+            print(report.table(gpu_mem_gib=gpu_gib))
+        found[tuple(sorted(kw.items()))] = report
+        return dash.refresh()
+
+    button.on_click(run_exact)
+    dash.exact = run_exact
+    dash.widget = W.VBox([dash.widget, button, status])
+    return dash
 
 
 # --- torchrun entry point ------------------------------------------------------------------------------------

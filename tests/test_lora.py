@@ -1,0 +1,141 @@
+"""The LoRA recipe: model sizes, adapters, FSDP1's extra gradients, the toy task, and the torchrun script."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fsdplab.models import count_params
+from fsdplab.recipes import lora as L
+
+
+def test_qwen_sizes_and_lora_counts():
+    qwen7b = L.build_model("qwen-7b", lora_rank=64)
+    assert count_params(qwen7b) - count_params(qwen7b, trainable_only=True) == 7_721_324_544
+    qwen2 = L.build_model("qwen2-7b", lora_rank=64, target_modules="all-linear")
+    assert count_params(qwen2, trainable_only=True) == 161_480_704
+    # Base weights frozen, adapters trainable, all on the meta device.
+    assert all(("lora_" in n) == p.requires_grad for n, p in qwen2.named_parameters())
+    assert {p.device.type for p in qwen2.parameters()} == {"meta"}
+    # Attention only: A (r x in) and B (out x r) for q, k, v, o; k/v project to 4 KV heads x 128.
+    attn = L.build_model("qwen2-7b", lora_rank=64, target_modules="attention")
+    h, kv = 3584, 512
+    assert count_params(attn, trainable_only=True) == 28 * 64 * ((h + h) * 2 + (h + kv) * 2)
+    full = L.build_model("qwen-7b")
+    assert count_params(full, trainable_only=True) == 7_721_324_544
+
+
+def test_user_mistakes_raise_valueerror():
+    with pytest.raises(ValueError, match="target_modules"):
+        L.build_model("tiny", lora_rank=8, target_modules="mlp")
+    with pytest.raises(ValueError, match="lora_rank"):
+        L.build_model("tiny", lora_rank=0)
+    with pytest.raises(ValueError, match="config"):
+        L.build_model()
+    with pytest.raises(ValueError, match="no trainable"):
+        L.make_optimizer(L.build_model("tiny", device="cpu").requires_grad_(False))
+    with pytest.raises(ValueError, match="unknown setting"):
+        L.setting(seq=4096)
+
+
+def test_checkpointing_wraps_every_layer_and_keeps_gradients():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    config = L.miniature_config()
+    task = L.StringTask("reverse")
+    ids, labels = task.batch(4, seed=3)
+    grads = []
+    for ckpt in (False, True):
+        model = L.build_model(config, lora_rank=8, activation_checkpointing=ckpt, device="cpu", seed=0)
+        layers = L.decoder_layers(model)
+        assert len(layers) == config.num_hidden_layers
+        assert all(isinstance(layer, CheckpointWrapper) for layer in layers) == ckpt
+        model(input_ids=ids, labels=labels).loss.backward()
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
+                      if p.requires_grad})
+        opt = L.make_optimizer(model, 1e-3)
+        assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == count_params(model, True)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name])
+
+
+def test_fsdp1_frozen_gradients():
+    per_layer_frozen = 4 * 4096 * 4096 + 3 * 4096 + 3 * 4096 * 11008 + 2 * 4096   # q,k,v,o + biases, MLP, norms
+    fp32 = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, model_dtype="fp32", precision="fp16")
+    assert fp32["mixed_units"] == 32
+    assert fp32["frozen_params_with_gradients"] == 32 * per_layer_frozen
+    assert abs(fp32["persistent_bytes"] - 32 * per_layer_frozen * 4 / 8) <= 32 * 4 * 2   # padding only
+    fp16 = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, model_dtype="fp16", precision="fp16")
+    assert abs(2 * fp16["persistent_bytes"] - fp32["persistent_bytes"]) <= 32 * 4 * 2
+    # fp16 unsharded gradient of one layer's frozen weights + its fp32 copy for the reduce-scatter.
+    assert fp32["transient_bytes"] == per_layer_frozen * (2 + 4)
+    # Adapting only attention still puts the whole layer (MLP included) in a mixed unit.
+    attn = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, target_modules="attention")
+    assert attn["frozen_params_with_gradients"] == fp32["frozen_params_with_gradients"]
+    assert L.fsdp1_frozen_gradients("qwen-7b", 16, lora_rank=64)["persistent_bytes"] < fp32["persistent_bytes"]
+
+
+def test_string_task_and_tokenizer():
+    tok = L.CharTokenizer("abcdef")
+    assert tok.decode(tok.answer("fab")) == "fab"
+    with pytest.raises(ValueError, match="alphabet"):
+        tok.encode("xyz")
+    for name in L.TASKS:
+        task = L.StringTask(name, tok, min_len=2, max_len=4)
+        ids, labels = task.batch(32, seed=7)
+        assert ids.shape == labels.shape == (32, task.seq_len)
+        for row in range(32):
+            sep = ids[row].tolist().index(tok.SEP)
+            prompt = tok.decode(ids[row, 1:sep])
+            answer = [t for t in labels[row].tolist() if t != -100]
+            assert len(set(prompt)) == len(prompt) and 2 <= len(prompt) <= 4
+            assert tok.decode(answer) == task.solve(prompt) and answer[-1] == tok.EOS
+            assert (labels[row, :sep + 1] == -100).all()          # no loss on the prompt
+    assert L.StringTask("sort").solve("dab") == "abd"
+    with pytest.raises(ValueError):
+        L.StringTask("count")
+
+
+def test_torchrun_script_loads_trains_and_saves_a_mergeable_adapter(tmp_path):
+    """The script as a reader runs it: a checkpoint directory, 2 ranks, a few steps, a peft adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = L.miniature_config()
+    base_dir, out_dir = tmp_path / "base", tmp_path / "adapter"
+    L.build_model(config, device="cpu", seed=1).save_pretrained(base_dir)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "fsdplab.recipes.lora", "--model-path", str(base_dir), "--lora-rank", "8", "--steps", "3",
+           "--batch-size", "4", "--precision", "fp32", "--log-every", "1", "--output-dir", str(out_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first_loss = float(re.search(r"step\s+0\s+loss ([0-9.]+)", proc.stdout).group(1))
+
+    # Step 0 ran the loaded checkpoint with zero-initialised B: exactly the base model's loss on rank 0's batch.
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    ids, labels = L.StringTask("reverse").batch(4, seed=0)
+    with torch.no_grad():
+        assert math.isclose(base(input_ids=ids, labels=labels).loss.item(), first_loss, rel_tol=1e-3)
+
+    saved = load_file(out_dir / "adapter_model.safetensors")
+    assert len(saved) == 2 * 7 * config.num_hidden_layers          # A and B of 7 linears per layer
+    assert all(".default" not in k for k in saved)
+    assert any(("lora_B" in k) and v.abs().sum() > 0 for k, v in saved.items())  # trained, not the zero init
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out_dir)
+    loaded = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert len(loaded) == len(saved)
+    merged = L.load_merged(base_dir, out_dir)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+    assert isinstance(L.greedy_answer(merged, L.CharTokenizer(), "abc"), str)
