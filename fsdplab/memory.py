@@ -626,7 +626,7 @@ def measure_setting(model="tiny", *, lora_rank=None, lora_alpha=None, lora_targe
     return report
 
 
-# --- lesson helpers (run on ranks) ----------------------------------------------------------------------
+# --- lesson functions (run on ranks) ----------------------------------------------------------------------
 
 def shard_layout(shapes=((8, 4), (7, 4))) -> list:
     """On a rank: fully_shard a module holding one parameter per shape over all ranks and report what this

@@ -90,7 +90,7 @@ def test_cpu_offload_is_modelled_and_said():
     assert off.by_category["optimizer_state"] == 0
 
 
-def test_report_helpers():
+def test_report_methods():
     report = formula("qwen-7b", 8)
     assert report.fits(1000) and not report.fits(1)
     data = json.loads(report.to_json())
