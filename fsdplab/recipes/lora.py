@@ -35,6 +35,16 @@ def lora_target_modules(target_modules="all-linear"):
     return names
 
 
+def _dtype_kwarg(dtype) -> dict:
+    """from_pretrained's dtype keyword: `dtype` in transformers >= 4.56, `torch_dtype` before."""
+    if dtype is None:
+        return {}
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
 def _resolve_config(config):
     from ..models import hf_config
 
@@ -43,7 +53,7 @@ def _resolve_config(config):
 
 def build_model(config=None, *, lora_rank=None, lora_alpha=None, target_modules="all-linear",
                 activation_checkpointing=False, device="meta", model_path=None, dtype=None,
-                lora_dropout=0.0, seed=None) -> nn.Module:
+                lora_dropout=0.0, seed=None, trust_remote_code=False) -> nn.Module:
     """A transformers causal LM with (optionally) LoRA adapters and per-block activation checkpointing.
 
     config: a transformers config or a name for `fsdplab.models.hf_config` ('qwen-7b', 'qwen2-7b', 'tiny').
@@ -69,16 +79,22 @@ def build_model(config=None, *, lora_rank=None, lora_alpha=None, target_modules=
     if model_path is not None and not meta:
         from transformers import AutoModelForCausalLM
 
-        kwargs = {"dtype": dtype} if dtype is not None else {}
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                     **_dtype_kwarg(dtype)).to(device)
     else:
         if model_path is not None:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(model_path)
-        from ..models import causal_lm
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        if trust_remote_code:
+            from transformers import AutoModelForCausalLM
 
-        model = causal_lm(_resolve_config(config), device=device, dtype=dtype)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, **_dtype_kwarg(dtype))
+        else:
+            from ..models import causal_lm
+
+            model = causal_lm(_resolve_config(config), device=device, dtype=dtype)
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False  # no KV cache while training: it would only hold memory
 
@@ -94,15 +110,23 @@ def build_model(config=None, *, lora_rank=None, lora_alpha=None, target_modules=
     if activation_checkpointing:
         from ..parallel import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, blocks=decoder_layers(model))
     return model
 
 
 def decoder_layers(model: nn.Module) -> list:
-    """The decoder blocks, wherever peft and checkpoint wrappers put them."""
+    """The decoder blocks, wherever peft and checkpoint wrappers put them (for models outside
+    `fsdplab.parallel.blocks_of`'s list: the ModuleList with one entry per hidden layer)."""
     from ..parallel import blocks_of
 
-    return blocks_of(model)
+    try:
+        return blocks_of(model)
+    except ValueError:
+        num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        for module in model.modules():
+            if isinstance(module, nn.ModuleList) and num_layers and len(module) == num_layers:
+                return list(module)
+        raise
 
 
 def shard_model(model: nn.Module, mesh, *, precision="bf16", reshard_after_forward=True, cpu_offload=False,
@@ -141,7 +165,7 @@ def _fix_nonpersistent_buffers(model: nn.Module, device) -> None:
 
 def build_sharded(config=None, mesh=None, *, model_path=None, device=None, lora_rank=None, lora_alpha=None,
                   target_modules="all-linear", activation_checkpointing=False, dtype=None, precision="bf16",
-                  reshard_after_forward=True, cpu_offload=False, seed=0) -> nn.Module:
+                  reshard_after_forward=True, cpu_offload=False, seed=0, trust_remote_code=False) -> nn.Module:
     """The training model on every rank: meta build, LoRA + checkpointing, shard, `to_empty`, then the weights.
 
     Only rank 0 holds a full copy (random init from `seed`, or the checkpoint at `model_path`, plus the fresh
@@ -158,7 +182,7 @@ def build_sharded(config=None, mesh=None, *, model_path=None, device=None, lora_
         device = ("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(*device) if isinstance(device, tuple) else torch.device(device)
     kwargs = dict(model_path=model_path, lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
-                  dtype=dtype)
+                  dtype=dtype, trust_remote_code=trust_remote_code)
     model = build_model(config, device="meta", activation_checkpointing=activation_checkpointing, **kwargs)
     shard_model(model, mesh, precision=precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     model.to_empty(device="cpu" if cpu_offload else device)
@@ -181,7 +205,7 @@ def miniature_config(tokenizer: CharTokenizer | None = None, name: str = "qwen-7
 
     config = tiny_twin(hf_config(name), vocab_size=(tokenizer or CharTokenizer()).vocab_size)
     config.initializer_range = initializer_range
-    if len(getattr(config, "layer_types", None) or []) != config.num_hidden_layers:
+    if isinstance(getattr(config, "layer_types", None), list) and len(config.layer_types) != config.num_hidden_layers:
         # tiny_twin copies the full model's per-layer list; save_pretrained refuses a mismatch.
         config.layer_types = list(config.layer_types[:config.num_hidden_layers])
     return config
@@ -370,8 +394,7 @@ def load_merged(base_path, adapter_dir, dtype=None) -> nn.Module:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    base = AutoModelForCausalLM.from_pretrained(str(base_path), **kwargs)
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), **_dtype_kwarg(dtype))
     return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
 
 
@@ -623,7 +646,10 @@ def parse_args(argv=None):
         description="LoRA fine-tuning under FSDP2 on every rank of a torchrun job (gloo on CPU, nccl on GPUs). "
                     "Trains on a synthetic string task; saves the adapter with peft.")
     p.add_argument("--model", default="tiny", help="qwen-7b, qwen2-7b or tiny (random init); ignored with --model-path")
-    p.add_argument("--model-path", default=None, help="local directory of a transformers checkpoint (downloaded weights)")
+    p.add_argument("--model-path", default=None, help="local directory of a transformers checkpoint (downloaded "
+                   "weights), e.g. Qwen2-7B; Qwen-7B v1 checkpoints need --trust-remote-code and --lora-targets "
+                   "with their module names (c_attn,c_proj,w1,w2)")
+    p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     p.add_argument("--lora-targets", default="all-linear", help="all-linear, attention, or comma-separated module names")
@@ -658,6 +684,8 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available()
+    if args.cpu_offload and not use_cuda:
+        raise ValueError("--cpu-offload needs GPUs (FSDP2's CPUOffloadPolicy moves shards between host and GPU).")
     # One visible block of distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*.
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -665,8 +693,6 @@ def main(argv=None) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world_size,))
-    if args.cpu_offload and not use_cuda:
-        raise ValueError("--cpu-offload needs GPUs (FSDP2's CPUOffloadPolicy moves shards between host and GPU).")
 
     task = StringTask(args.task)
     config = None if args.model_path else (miniature_config(task.tokenizer) if args.model == "tiny"
@@ -679,7 +705,8 @@ def main(argv=None) -> dict:
                               lora_alpha=args.lora_alpha, target_modules=args.lora_targets,
                               activation_checkpointing=args.activation_checkpointing, dtype=args.model_dtype,
                               precision=args.precision, reshard_after_forward=args.reshard_after_forward,
-                              cpu_offload=args.cpu_offload, seed=args.seed)
+                              cpu_offload=args.cpu_offload, seed=args.seed,
+                              trust_remote_code=args.trust_remote_code)
         optimizer = make_optimizer(model, args.lr)
         if use_cuda:
             torch.cuda.reset_peak_memory_stats()
