@@ -322,11 +322,14 @@ def formula(model="qwen-7b", world_size: int = 8, *, strategy: str = "full_shard
     by_category = {"parameters": int(params), "gradients": int(grads), "optimizer_state": int(opt),
                    "activations": acts, "communication_buffers": int(comm), "other": 0}
     if cpu_offload:
-        moved = {k: resident[k] for k in ("parameters", "gradients", "optimizer_state")}
+        # FSDP offloads its shards (CPUOffloadPolicy); for DDP / ZeRO-1/2 only the optimizer state can
+        # move (DeepSpeed's ZeRO-Offload): the working weights and gradients stay on the GPU.
+        offloaded = ("parameters", "gradients", "optimizer_state") if fsdp else ("optimizer_state",)
+        moved = {k: resident[k] for k in offloaded}
         for k, v in moved.items():
             by_category[k] -= v
-        notes.append("cpu offload is modelled: sharded parameters, gradients and optimizer state ("
-                     f"{sum(moved.values()) / GIB:.2f} GiB) live in host memory, not on the GPU.")
+        notes.append(f"cpu offload is modelled: {', '.join(offloaded)} ({sum(moved.values()) / GIB:.2f} GiB) "
+                     "live in host memory, not on the GPU.")
     settings = dict(model=spec.name, strategy=strategy, precision=precision, optimizer=optimizer,
                     lora_rank=lora_rank, seq_len=seq_len, batch_size=batch_size,
                     activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
