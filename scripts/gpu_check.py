@@ -80,6 +80,22 @@ def say(*parts) -> None:
 
 
 _RESULT_PATH = None   # set in a section's process: where its result goes
+_CHILDREN: set = set()  # process groups this process started and has not reaped yet
+
+
+def kill_group(pid: int, sig=signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def on_sigterm(signum, frame):
+    """Take the process groups this process started down with it (they run in sessions of their own)."""
+    for pid in list(_CHILDREN):
+        kill_group(pid, signal.SIGTERM)
+    time.sleep(2)
+    for pid in list(_CHILDREN):
+        kill_group(pid)
+    os._exit(128 + signum)
 
 
 def save_partial(details: dict, note: str) -> None:
@@ -543,7 +559,7 @@ def real_peak(config, shape, *, lora, ac, device):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model, opt, batch, tokens
     release_cuda()
-    return peak, losses, trainable
+    return peak, losses, trainable, base
 
 
 def warm_up_cuda(device) -> None:
@@ -610,10 +626,10 @@ def section_memory(args, budget):
                 continue
             t0 = time.perf_counter()
             try:
-                peak, losses, trainable = real_peak(memory_config(row["model"]), MEMORY_SHAPES[row["model"]],
+                peak, losses, trainable, base = real_peak(memory_config(row["model"]), MEMORY_SHAPES[row["model"]],
                                                     lora=row["lora"], ac=row["activation_checkpointing"],
                                                     device=device)
-                row.update(measured_bytes=peak, losses=losses, trainable_params=trainable,
+                row.update(measured_bytes=peak, losses=losses, trainable_params=trainable, base_bytes=base,
                            real_s=round(time.perf_counter() - t0, 2))
                 if peak is not None and row["estimate_bytes"]:
                     row["ratio"] = peak / row["estimate_bytes"]
@@ -833,14 +849,16 @@ def run_lesson(path, world_size, out_dir, params, timeout, log_dir):
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
+        _CHILDREN.add(proc.pid)
         try:
             rc = proc.wait(timeout=timeout)
             status = "ok" if rc == 0 else "FAILED"
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)
             proc.wait()
             rc, status = None, "TIMEOUT"
+        finally:
+            _CHILDREN.discard(proc.pid)
     seconds = time.perf_counter() - t0
     text = log_path.read_text(errors="replace")
     detail = ""
@@ -963,6 +981,7 @@ def run_section_process(name, args, timeout, tee) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+    _CHILDREN.add(proc.pid)
     tail = []
 
     def pump():
@@ -978,9 +997,14 @@ def run_section_process(name, args, timeout, tee) -> dict:
         timed_out = False
     except subprocess.TimeoutExpired:
         timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_group(proc.pid, signal.SIGTERM)      # lets the section take its own children down
+        try:
+            proc.wait(timeout=8)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            proc.wait()
+    kill_group(proc.pid)                          # anything the section left behind in its group
+    _CHILDREN.discard(proc.pid)
     reader.join(timeout=5)
     seconds = round(time.perf_counter() - t0, 2)
     try:
@@ -1028,13 +1052,15 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="output folder "
                    "(default: $OUT, else runs/gpu_check)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    p.add_argument("--budget", type=float, default=420, help="seconds for the whole run (default 420)")
+    p.add_argument("--budget", type=float, default=450, help="seconds for the whole run (default 450)")
     p.add_argument("--cpu", action="store_true", help="hide the GPUs: check the CPU fallback")
     p.add_argument("--lessons", default="all", help="'all', 'none' or comma-separated lessons (paths or names "
                    "such as 00 or notebooks/00_start_here.ipynb)")
     p.add_argument("--lesson-world-size", default="1", help="world_size for lessons that take one (default 1: "
                    "one rank on the one GPU); 'default' keeps every lesson's own")
     p.add_argument("--lesson-jobs", type=int, default=1, help="lessons executed at the same time (default 1)")
+    p.add_argument("--lesson-reserve", type=float, default=180, help="seconds kept for the lessons, which run "
+                   "last, whatever the other sections take (default 180)")
     p.add_argument("--lesson-timeout", type=float, default=240, help="seconds per lesson at most (default 240)")
     p.add_argument("-p", "--lesson-param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="papermill parameter for lessons that declare it")
@@ -1075,6 +1101,7 @@ def exit_code(results: dict) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, on_sigterm)
     if args.child:
         return run_child(args)
     out = Path(args.out)
@@ -1090,6 +1117,8 @@ def main(argv=None) -> int:
     json_path = out / "gpu_check.json"
     for name in args.section_list:
         left = deadline - time.monotonic()
+        if name != "lessons" and "lessons" in args.section_list and args.lessons != "none":
+            left -= args.lesson_reserve          # the lessons come last: keep their share
         timeout = min(SECTION_BUDGET_S[name], left)
         tee(f"\n=== {name} (budget {max(0, timeout):.0f} s) ===\n")
         if timeout < 10:

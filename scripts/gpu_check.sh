@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Check fsdplab on a GPU machine in one run (about 7 minutes on one GPU); without a GPU the GPU sections
+# Check fsdplab on a GPU machine in one run (at most 7.5 minutes by default); without a GPU the GPU sections
 # print SKIP with the reason. Usage:
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [scripts/gpu_check.py options]
@@ -29,5 +29,5 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
-# gpu_check.py keeps to its own --budget (default 420 s); the hard limit here is a last resort.
+# gpu_check.py keeps to its own --budget (default 450 s); the hard limit here is a last resort.
 exec timeout -k 15 "${GPU_CHECK_HARD_LIMIT_S:-540}" "$PY" "$ROOT/scripts/gpu_check.py" --out "$OUT_DIR" "$@"
