@@ -63,6 +63,7 @@ LESSON_KEEPS_WORLD_SIZE = {
     "02": "divides by the ring factor (N-1)/N",
     "04": "compares two ranks' gradient scalers",
     "05": "kills one rank while the other waits",
+    "06": "compares two ranks' measured peaks",
     "07": "two ranks per node over two nodes",
 }
 # Memory comparison: a ~1.0B Qwen2 (check: 1,003,653,120 parameters) next to the tiny Qwen2.
@@ -81,6 +82,7 @@ def say(*parts) -> None:
 
 _RESULT_PATH = None   # set in a section's process: where its result goes
 _CHILDREN: set = set()  # process groups this process started and has not reaped yet
+_START = time.monotonic()  # when this process started: a section's budget counts from here
 
 
 def kill_group(pid: int, sig=signal.SIGKILL) -> None:
@@ -578,8 +580,9 @@ def section_memory(args, budget):
     from fsdplab import memory
 
     gpu = cuda_ok()
-    models = args.memory_models or (["tiny", "1b"] if gpu else ["tiny"])
-    deadline = time.monotonic() + budget - 5
+    # The 1.0B cases first: they are the ones held to 5%, and the ones to keep if time runs short.
+    models = args.memory_models or (["1b", "tiny"] if gpu else ["tiny"])
+    deadline = _START + budget - 5
     from fsdplab.models import causal_lm, count_params
 
     counts = {}
@@ -739,6 +742,7 @@ def offload_steps(config, *, cpu_offload, steps, device, seq_len, batch_size, de
 
 
 def section_offload(args, budget):
+    start = _START
     if not cuda_ok():
         return "SKIP", no_gpu_reason("host<->device bandwidth and FSDP2's CPUOffloadPolicy need a GPU (offload "
                                      "moves the shards between GPU memory and the host)"), {}
@@ -748,7 +752,6 @@ def section_offload(args, budget):
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
-    start = time.monotonic()
     details = {}
     bw = copy_bandwidth(args.copy_mib * MIB)
     details["bandwidth"] = {"bytes": args.copy_mib * MIB, **bw}
@@ -828,7 +831,7 @@ def lesson_plan(args):
     names = [] if args.lessons == "all" else [n for n in args.lessons.split(",") if n]
     plan = []
     for path in lesson_paths(names):
-        keep = LESSON_KEEPS_WORLD_SIZE.get(path.stem[:2])
+        keep = None if args.every_lesson_at_world_size else LESSON_KEEPS_WORLD_SIZE.get(path.stem[:2])
         if args.lesson_world_size == "default" or keep:
             why = f"its own world_size ({keep})" if keep else "its own world_size"
             plan.append((path, None, why))
@@ -886,7 +889,7 @@ def section_lessons(args, budget):
     out_dir = Path(args.out) / "notebooks"
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = lesson_plan(args)
-    deadline = time.monotonic() + budget - 10
+    deadline = _START + budget - 10
     rows, lock = [], threading.Lock()
     say(f"{len(plan)} lesson(s), {args.lesson_jobs} at a time, each at most {args.lesson_timeout} s:")
     for path, ws, why in plan:
@@ -1058,6 +1061,9 @@ def parse_args(argv=None):
                    "such as 00 or notebooks/00_start_here.ipynb)")
     p.add_argument("--lesson-world-size", default="1", help="world_size for lessons that take one (default 1: "
                    "one rank on the one GPU); 'default' keeps every lesson's own")
+    p.add_argument("--every-lesson-at-world-size", action="store_true", help="apply --lesson-world-size to "
+                   f"the lessons that assume two or more ranks too ({','.join(LESSON_KEEPS_WORLD_SIZE)}), to "
+                   "see how far each gets")
     p.add_argument("--lesson-jobs", type=int, default=1, help="lessons executed at the same time (default 1)")
     p.add_argument("--lesson-reserve", type=float, default=180, help="seconds kept for the lessons, which run "
                    "last, whatever the other sections take (default 180)")
