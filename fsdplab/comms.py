@@ -1,9 +1,9 @@
-"""Count every collective a rank issues, and price it with a latency-bandwidth cost model.
+"""Count every collective a rank launches, and price it with a latency-bandwidth cost model.
 
 Counting: `CommCounter` is a `TorchDispatchMode`. Every collective in torch, whether FSDP2's all-gather and
 reduce-scatter, DDP's C++ reducer all-reduce, a plain `dist.all_reduce`, or DTensor's functional
 collectives for tensor parallelism, goes through the dispatcher as a `c10d::*` or `_c10d_functional::*` op
-with its tensors and its process group, so one mode sees them all, in issue order, with exact sizes.
+with its tensors and its process group, so one mode sees them all, in launch order, with exact sizes.
 (Wrapping the Python functions misses DDP, whose reducer calls the process group from C++, and breaks
 when FSDP changes which `dist.*` function it calls; `CommDebugMode` counts calls but not bytes.) For FSDP2
 the counter also labels each collective with the unit (module FQN) it belongs to, and logs when each unit
@@ -143,7 +143,7 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Let tensor subclasses (DTensor) desugar into plain ops first, as CommDebugMode does; the
-        # collectives they issue come back through this mode as plain-tensor ops.
+        # collectives they launch come back through this mode as plain-tensor ops.
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
@@ -159,7 +159,7 @@ class _Mode(TorchDispatchMode):
 
 
 class CommCounter:
-    """Context manager: log every collective this rank issues inside it (on any thread it runs on).
+    """Context manager: log every collective this rank launches inside it (on any thread it runs on).
 
     >>> with CommCounter(mesh=mesh2d) as counter:      # mesh: name the process groups by mesh dim
     ...     loss = model(x).sum(); loss.backward()
@@ -202,7 +202,7 @@ class CommCounter:
 
     @contextlib.contextmanager
     def section(self, name: str):
-        """Label the collectives issued inside (e.g. "step" for the optimizer, "setup" for wrapping)."""
+        """Label the collectives launched inside (e.g. "step" for the optimizer, "setup" for wrapping)."""
         previous, self._section = self._section, name
         try:
             yield
@@ -253,7 +253,7 @@ class CommCounter:
         })
 
     def _patch_fsdp(self):
-        """Label FSDP2 collectives with their unit: the all-gather is issued inside `unshard`, the
+        """Label FSDP2 collectives with their unit: the all-gather is launched inside `unshard`, the
         reduce-scatter (and HSDP's all-reduce) inside `post_backward`; log `reshard` to count live units."""
         try:
             from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -410,7 +410,7 @@ def add_compute_markers(counter: CommCounter, modules: dict) -> list:
     """Log "fwd NAME" when each module's forward starts and "bwd NAME" when its backward starts (the
     gradient of its output arrives), so the event log shows which collectives ran ahead of which layer.
     Hooks added after `fully_shard` run after FSDP's own, so a forward marker follows that unit's all-gather
-    (and any prefetch it issued). Returns the hook handles; remove them when done."""
+    (and any prefetch it launched). Returns the hook handles; remove them when done."""
     import torch
 
     handles = []
@@ -612,7 +612,7 @@ def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_p
     """GPU only (FSDP1 refuses CPU): the posts' FSDP1 settings on the tiny transformer, one counted step.
 
     `backward_prefetch`: "BACKWARD_PRE", "BACKWARD_POST" or None. Returns the event log (collectives in
-    issue order; FSDP1 units are not labelled) and the peak GPU memory of the step in bytes."""
+    launch order; FSDP1 units are not labelled) and the peak GPU memory of the step in bytes."""
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 

@@ -10,11 +10,13 @@ What the rows mean, by backend:
     threads ("gloo:all_gather", "gloo:all_reduce" events), so an asynchronous all-gather really can run
     while the main thread computes. Both rows are measured: nothing here invents overlap. Note gloo runs a
     reduce-scatter as a full all-reduce, so it shows as "gloo:all_reduce".
-  * nccl (GPUs): compute is the GPU kernels inside the layer ranges, communication the NCCL kernels on
-    their own streams: real GPU overlap.
+  * nccl (GPUs): compute is the layer ranges on the GPU timeline, communication the NCCL kernels on
+    their own streams: real GPU overlap. (This path is written for GPUs but was checked only on CPU ranks;
+    FSDP runs all-gathers and reduce-scatters on different streams, so pairing NCCL kernels with the
+    collectives that launched them by order can swap labels where the two overlap.)
 Layer labels come from `record_function` ranges opened by hooks on the modules you name: forward from
 the module's forward pre/post hooks, backward from gradient hooks on its output (start) and input (end).
-Each collective is labelled by the FSDP unit whose range issued it ("FSDP::all_gather (layers.1)").
+Each collective is labelled by the FSDP unit whose range launched it ("FSDP::all_gather (layers.1)").
 
 `simulate_step(...)` (pure Python, microseconds to run) is the same picture for a model you don't have:
 per-layer compute, per-layer bytes, a link preset and a prefetch depth give the step time, the exposed
@@ -132,11 +134,14 @@ def _classify(events, on_gpu: bool) -> list:
             main_thread = e.thread
     fsdp = [(m.group(1), m.group(2), s, t) for n, th, dev, s, t in raw if not dev
             for m in [_FSDP_LABEL.match(n)] if m]
-    issues = sorted((s, n) for n, th, dev, s, t in raw if not dev and n.startswith("c10d::"))
+    launches = sorted((s, n) for n, th, dev, s, t in raw if not dev and n.startswith("c10d::"))
+    # On GPUs the layer ranges also appear on the device timeline (user annotations); if this torch
+    # build does not record them there, fall back to the host-side ranges (launch times, not GPU times).
+    device_layers = on_gpu and any(dev and n.startswith(("fwd ", "bwd ")) for n, th, dev, s, t in raw)
     out = []
     comm = []
     for name, thread, is_device, start, end in raw:
-        if name.startswith(("fwd ", "bwd ")) and (is_device == on_gpu):
+        if name.startswith(("fwd ", "bwd ")) and (is_device == device_layers):
             out.append({"row": "compute", "label": name, "start_us": start, "end_us": end})
         elif name.startswith("Optimizer.step") and not is_device:
             out.append({"row": "compute", "label": "optimizer", "start_us": start, "end_us": end})
@@ -145,16 +150,16 @@ def _classify(events, on_gpu: bool) -> list:
             if m and (is_device if on_gpu else (thread != main_thread)):
                 kind = (m.group(2) or m.group(3) or "").lower()
                 comm.append({"row": "comm", "label": kind, "kind": kind, "start_us": start, "end_us": end})
-    # Label each executed collective with the FSDP unit that issued it: the n-th collective executed is the
-    # n-th c10d op issued (backends run a group's work in issue order).
+    # Label each executed collective with the FSDP unit that launched it: the n-th collective executed is the
+    # n-th c10d op launched (backends run a group's work in launch order).
     comm.sort(key=lambda c: c["start_us"])
-    for c, (issued_at, op) in zip(comm, issues):
-        # the innermost FSDP range around the issue point (a prefetch sits inside another unit's hook)
-        around = [(s, u) for k, u, s, t in fsdp if s <= issued_at <= t]
+    for c, (launched_at, op) in zip(comm, launches):
+        # the innermost FSDP range around the launch point (a prefetch sits inside another unit's hook)
+        around = [(s, u) for k, u, s, t in fsdp if s <= launched_at <= t]
         unit = (max(around)[1] or "root") if around else None
-        c["issued_us"] = issued_at
-        issued_kind = _C10D.get(op.split("::", 1)[-1], (c["kind"],))[0]
-        c["backend_op"], c["kind"], c["label"] = c["kind"], issued_kind, issued_kind
+        c["launched_us"] = launched_at
+        launched_kind = _C10D.get(op.split("::", 1)[-1], (c["kind"],))[0]
+        c["backend_op"], c["kind"], c["label"] = c["kind"], launched_kind, launched_kind
         if unit:
             c["unit"] = unit
             c["label"] = f"{c['kind']} {unit}"
@@ -169,10 +174,10 @@ def simulate_step(num_layers: int = 8, layer_compute_s: float = 0.01, layer_byte
     """Event simulation of one FSDP step with a compute stream and one communication channel (FIFO).
 
     Forward: layer i computes once its all-gather is done. With `prefetch=k` the all-gathers of the next k
-    layers are issued when layer i starts (FSDP2's explicit prefetch; FSDP1's forward_prefetch for k=1);
-    with 0 each all-gather is issued only when its layer is reached. Backward (reverse order, compute
+    layers are launched when layer i starts (FSDP2's explicit prefetch; FSDP1's forward_prefetch for k=1);
+    with 0 each all-gather is launched only when its layer is reached. Backward (reverse order, compute
     `backward_factor` x forward): the same for the backward all-gathers (FULL_SHARD only), and each layer's
-    reduce-scatter is issued when its backward ends. The step ends when the last reduce-scatter and the
+    reduce-scatter is launched when its backward ends. The step ends when the last reduce-scatter and the
     last compute are done. Returns step_s, compute_s, comm_s, exposed_comm_s, and the intervals."""
     if num_layers < 1 or world_size < 1 or prefetch < 0:
         raise ValueError("num_layers and world_size must be >= 1 and prefetch >= 0 (layers ahead).")
@@ -184,9 +189,9 @@ def simulate_step(num_layers: int = 8, layer_compute_s: float = 0.01, layer_byte
     intervals = []
     comm_free = 0.0
 
-    def communicate(kind, label, issued_at, seconds):
+    def communicate(kind, label, launched_at, seconds):
         nonlocal comm_free
-        start = max(comm_free, issued_at)
+        start = max(comm_free, launched_at)
         comm_free = start + seconds
         intervals.append({"row": "comm", "label": f"{kind} {label}", "kind": kind, "start_s": start,
                           "end_s": comm_free})
@@ -194,17 +199,17 @@ def simulate_step(num_layers: int = 8, layer_compute_s: float = 0.01, layer_byte
 
     def run_pass(order, seconds, phase, gather):
         nonlocal now
-        ready, issued = {}, set()
+        ready, launched = {}, set()
         for pos, layer in enumerate(order):
-            if gather and layer not in issued:
+            if gather and layer not in launched:
                 ready[layer] = communicate("all_gather", f"layers.{layer}", now, ag)
-                issued.add(layer)
+                launched.add(layer)
             start = max(now, ready.get(layer, now))
             if gather:
                 for nxt in order[pos + 1:pos + 1 + prefetch]:
-                    if nxt not in issued:
+                    if nxt not in launched:
                         ready[nxt] = communicate("all_gather", f"layers.{nxt}", start, ag)
-                        issued.add(nxt)
+                        launched.add(nxt)
             now = start + seconds
             intervals.append({"row": "compute", "label": f"{phase} layers.{layer}", "start_s": start, "end_s": now})
             if phase == "bwd":

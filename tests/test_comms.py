@@ -99,7 +99,7 @@ def test_fsdp_order_and_implicit_backward_prefetch(steps):
     fwd = [r["unit"] for r in recs if r["phase"] == "forward"]
     assert fwd == ["root", "layers.0", "layers.1", "layers.2"]
     bwd = [(r["kind"], r["unit"]) for r in recs if r["phase"] == "backward"]
-    # block 1's all-gather is issued before block 2's reduce-scatter: FSDP2 prefetches in backward
+    # block 1's all-gather is launched before block 2's reduce-scatter: FSDP2 prefetches in backward
     assert bwd.index(("all_gather", "layers.1")) < bwd.index(("reduce_scatter", "layers.2"))
     assert [u for k, u in bwd if k == "reduce_scatter"] == ["layers.2", "layers.1", "layers.0", "root"]
     assert {r["group_size"] for r in recs} == {2}
@@ -120,7 +120,7 @@ def test_live_units_per_strategy(steps, cluster):
     default, ahead = order(steps["full_shard"]), order(deep)
     assert default.index(("all_gather", "layers.1")) > default.index("fwd layers.0")
     assert ahead.index(("all_gather", "layers.2")) < ahead.index("fwd layers.0")
-    # FSDP2's backward prefetch: block 1's all-gather is issued before block 2's backward starts
+    # FSDP2's backward prefetch: block 1's all-gather is launched before block 2's backward starts
     assert default.index(("all_gather", "layers.1")) < default.index("bwd layers.2")
 
 
