@@ -4,6 +4,7 @@ what each measured, and a FAIL makes the exit code non-zero."""
 import importlib.util
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,11 @@ def load_module():
     return module
 
 
-def run_script(out, *args, timeout=240):
-    return subprocess.run(["bash", str(SCRIPT), str(out), "--cpu", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+def run_script(out, *args, timeout=240, shell=True):
+    """scripts/gpu_check.sh (or, quicker, gpu_check.py itself) with the GPUs hidden."""
+    cmd = ["bash", str(SCRIPT), str(out)] if shell else [sys.executable, str(ROOT / "scripts" / "gpu_check.py"),
+                                                         "--out", str(out)]
+    return subprocess.run(cmd + ["--cpu", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +91,14 @@ def test_memory_estimate_column_runs_without_gpu(cpu_run):
 
 
 def test_failed_section_gives_nonzero_exit(tmp_path):
-    proc = run_script(tmp_path, "--sections", "lessons", "--lessons", "99_no_such_lesson", timeout=120)
+    proc = run_script(tmp_path, "--sections", "lessons", "--lessons", "99_no_such_lesson", timeout=120, shell=False)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert proc.returncode == 1 and report["exit_code"] == 1 and report["failed"] == ["lessons"]
     assert "99_no_such_lesson" in report["sections"]["lessons"]["reason"]
 
 
 def test_spent_budget_skips_sections(tmp_path):
-    proc = run_script(tmp_path, "--sections", "env,offload", "--budget", "5", timeout=60)
+    proc = run_script(tmp_path, "--sections", "env,offload", "--budget", "5", timeout=60, shell=False)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert proc.returncode == 0
     assert all(r["status"] == "SKIP" and "budget" in r["reason"] for r in report["sections"].values())
