@@ -150,3 +150,17 @@ def test_plain_and_functional_calls_counted(cluster):
 def test_bad_prefetch_depth():
     with pytest.raises(ValueError, match="depth"):
         comms.set_explicit_prefetch(None, 0)
+
+
+def test_tensor_parallel_all_reduces_counted_on_tp_dim(cluster):
+    # one "node" of 2 ranks: TP over both, FSDP over a data-parallel dim of size 1
+    outs = cluster.run(comms.count_tp_fsdp_step, cfg=CFG, mesh_shape=(1, 2), quiet=True)
+    reference = comms.reference_losses(CFG, world_size_dp=1)
+    for out in outs:
+        assert out["losses"] == pytest.approx([step[0] for step in reference], abs=1e-4)
+        assert out["mlp_weight_local_shape"] == (2 * CFG.dim, CFG.dim)   # 4*dim rows split over 2 TP ranks
+    tp = [r for r in _collectives(outs[0]) if r["dim"] == "tp"]
+    # RowwiseParallel all-reduces each block's MLP output in forward, ColwiseParallel its input grad in backward
+    assert [r["phase"] for r in tp].count("forward") == CFG.num_layers
+    assert [r["phase"] for r in tp].count("backward") == CFG.num_layers
+    assert all(r["kind"] == "all_reduce" and r["tensor_bytes"] == 2 * CFG.seq_len * CFG.dim * 4 for r in tp)
