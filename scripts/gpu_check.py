@@ -886,7 +886,7 @@ def section_lessons(args, budget):
     if missing:
         return "FAIL", (f"cannot execute notebooks: {', '.join(missing)} not importable (install the wheels in "
                         ".whl/ first, see scripts/gpu_check.sh)"), {}
-    out_dir = Path(args.out) / "notebooks"
+    out_dir = Path(args.notebooks_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = lesson_plan(args)
     deadline = _START + budget - 10
@@ -976,7 +976,7 @@ def run_section_process(name, args, timeout, tee) -> dict:
     fd, result_path = tempfile.mkstemp(prefix=f"gpu_check_{name}_", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--out", str(Path(args.out).resolve()),
-           "--child", name, "--result", result_path, "--child-budget", str(int(timeout))]
+           "--notebooks-dir", str(args.notebooks_dir), "--child", name, "--result", result_path, "--child-budget", str(int(timeout))]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if args.cpu:
@@ -1032,9 +1032,8 @@ def run_section_process(name, args, timeout, tee) -> dict:
     return result
 
 
-def pack_outputs(out: Path, started: float, tee) -> None:
+def pack_outputs(out: Path, folder: Path, started: float, tee) -> None:
     """Executed notebooks, lesson logs and the figures the lessons wrote, as one archive (few files back)."""
-    folder = out / "notebooks"
     figures = [p for p in (ROOT / "docs" / "figures").glob("*.png") if p.stat().st_mtime >= started]
     if not folder.exists() and not figures:
         return
@@ -1077,6 +1076,7 @@ def parse_args(argv=None):
     p.add_argument("--copy-mib", type=int, default=256, help="size of each bandwidth copy (MiB)")
     p.add_argument("--offload-steps", type=int, default=3, help="training steps per offload setting")
     p.add_argument("--pack", action="store_true", help="archive the executed notebooks as notebooks.tar.gz")
+    p.add_argument("--notebooks-dir", help=argparse.SUPPRESS)   # set by the parent: OUT/notebooks, or a temp
     p.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--child-budget", type=float, default=60, help=argparse.SUPPRESS)
@@ -1116,6 +1116,10 @@ def main(argv=None) -> int:
         with contextlib.suppress(OSError):
             (out / stale).unlink()
     tee = Tee(out / "gpu_check.log")
+    # With --pack the executed notebooks wait outside OUT until they are archived: OUT holds a few files
+    # at any moment, even if the run is cut short.
+    args.notebooks_dir = (tempfile.mkdtemp(prefix="gpu_check_notebooks_") if args.pack
+                          else str((out / "notebooks").resolve()))
     started_wall, start = time.time(), time.monotonic()
     deadline = start + args.budget
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": args.argv, "budget_s": args.budget,
@@ -1137,7 +1141,7 @@ def main(argv=None) -> int:
         report["total_s"] = round(time.monotonic() - start, 1)
         json_path.write_text(json.dumps(report, indent=1, default=str))
     if args.pack:
-        pack_outputs(out, started_wall, tee)
+        pack_outputs(out, Path(args.notebooks_dir), started_wall, tee)
     code = exit_code(report["sections"])
     report.update(total_s=round(time.monotonic() - start, 1), exit_code=code,
                   failed=[n for n, r in report["sections"].items() if r["status"] == "FAIL"])
