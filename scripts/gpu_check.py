@@ -222,7 +222,8 @@ def section_env(args, budget):
 
     if info["gpus"]:
         g = info["gpus"][0]
-        reason = f"torch {info['torch']}, CUDA {info['torch_cuda']}, {len(info['gpus'])} x {g['name']} {g['memory_gib']:.0f} GiB"
+        reason = (f"torch {info['torch']}, CUDA {info['torch_cuda']}, {len(info['gpus'])} x {g['name']} "
+                  f"{g['memory_gib']:.0f} GiB")
     else:
         reason = no_gpu_reason(f"torch {info['torch']}, no GPU: the GPU sections will SKIP")
     if info["missing_modules"]:
@@ -816,8 +817,9 @@ def section_offload(args, budget):
             problems.append("offload did not lower the peak GPU memory")
     if problems:
         return "FAIL", "; ".join(problems), details
-    return "PASS", (f"pinned h2d {bw['h2d_pinned_gb_s']} GB/s (pageable {bw['h2d_pageable_gb_s']}); "
-                    f"CPUOffloadPolicy {details['slowdown']:.1f}x slower per step on {params / 1e9:.2f}B params"), details
+    reason = (f"pinned h2d {bw['h2d_pinned_gb_s']} GB/s (pageable {bw['h2d_pageable_gb_s']}); "
+              f"CPUOffloadPolicy {details['slowdown']:.1f}x slower per step on {params / 1e9:.2f}B params")
+    return "PASS", reason, details
 
 
 # --- lessons --------------------------------------------------------------------------------------------------
@@ -882,7 +884,8 @@ def section_lessons(args, budget):
         return "SKIP", "not asked for (--lessons none)", {}
     import importlib.util
 
-    missing = [m for m in ("papermill", "ipykernel", "ipyparallel", "cloudpickle") if importlib.util.find_spec(m) is None]
+    needed = ("papermill", "ipykernel", "ipyparallel", "cloudpickle")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         return "FAIL", (f"cannot execute notebooks: {', '.join(missing)} not importable (install the wheels in "
                         ".whl/ first, see scripts/gpu_check.sh)"), {}
@@ -976,7 +979,8 @@ def run_section_process(name, args, timeout, tee) -> dict:
     fd, result_path = tempfile.mkstemp(prefix=f"gpu_check_{name}_", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--out", str(Path(args.out).resolve()),
-           "--notebooks-dir", str(args.notebooks_dir), "--child", name, "--result", result_path, "--child-budget", str(int(timeout))]
+           "--notebooks-dir", str(args.notebooks_dir), "--child", name, "--result", result_path,
+           "--child-budget", str(int(timeout))]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if args.cpu:
