@@ -798,20 +798,18 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
 
     dash = Dashboard(controls, draw, title="Per-GPU memory by strategy (formula)", figsize=(9, 4.2))
     button = W.Button(description="exact estimate", tooltip="run fsdplab.memory.estimate for this setting")
-    status = W.Output()
 
     def run_exact(_button=None):
         v = dash.values
         if v["strategy"] not in ("full_shard", "shard_grad_op"):
-            with status:
-                print(f"exact estimates cover FSDP2 (full_shard, shard_grad_op), not {v['strategy']}.")
+            dash.say(f"exact estimates cover FSDP2 (full_shard, shard_grad_op), not {v['strategy']}.")
             return None
-        with status:
-            report = estimate(v["model"], v["world_size"], lora_rank=v["lora_rank"] or None, seq_len=v["seq_len"],
-                              precision=v["precision"], optimizer=v["optimizer"],
-                              activation_checkpointing=v["activation_checkpointing"],
-                              reshard_after_forward=v["strategy"] == "full_shard")
-            print(report.table(gpu_mem_gib=v["gpu_mem_gib"]))
+        dash.say("running fsdplab.memory.estimate ...")
+        report = estimate(v["model"], v["world_size"], lora_rank=v["lora_rank"] or None, seq_len=v["seq_len"],
+                          precision=v["precision"], optimizer=v["optimizer"],
+                          activation_checkpointing=v["activation_checkpointing"],
+                          reshard_after_forward=v["strategy"] == "full_shard")
+        dash.say(report.table(gpu_mem_gib=v["gpu_mem_gib"]))
         common = {k: v[k] for k in ("model", "world_size", "strategy", "precision", "optimizer",
                                     "activation_checkpointing", "seq_len")}
         exact[key(dict(common, lora_rank=v["lora_rank"] or None))] = report
@@ -821,7 +819,7 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     button.on_click(run_exact)
     dash.exact = run_exact
     dash.exact_button = button
-    dash.widget = W.VBox([dash.widget, button, status])
+    dash.widget = W.VBox([dash.widget, button])
     return dash
 
 

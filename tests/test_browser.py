@@ -65,7 +65,7 @@ def test_dashboard_slider_redraws_the_figure(lab):
     page = _open_fresh(lab, "01_sharding_math.ipynb")
     page.run_all(timeout_s=400)
     assert page.errors() == []
-    images = page.page.locator(".widget-output img")
+    images = page.page.locator("img.widget-image")
     handles = page.page.locator(".widget-slider .noUi-handle")
     assert images.count() >= 1 and handles.count() >= 1, "no dashboard with a slider on the page"
     before = [images.nth(i).get_attribute("src") for i in range(images.count())]
