@@ -139,3 +139,16 @@ def test_torchrun_script_loads_trains_and_saves_a_mergeable_adapter(tmp_path):
         torch.testing.assert_close(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits,
                                    atol=1e-4, rtol=1e-4)
     assert isinstance(L.greedy_answer(merged, L.CharTokenizer(), "abc"), str)
+
+
+def test_dashboard_fits_and_fsdp1_extra():
+    dash = L.lora_dashboard(gpu_gib=24.0)
+    posts = dash.result
+    assert posts["fits"] and posts["fsdp1_extra_bytes"] == 0 and posts["setting"] == L.POSTS_SETTING
+    dash.set(api="FSDP1 use_orig_params")
+    extra = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, precision="fp16")["extra_peak_bytes"]
+    assert dash.result["fsdp1_extra_bytes"] == extra
+    assert dash.result["total_gib"] * L.GIB == pytest.approx(posts["total_gib"] * L.GIB + extra)
+    dash.set(api="FSDP2", seq_len=8192, batch_size=8, activation_checkpointing=False)
+    assert not dash.result["fits"] and dash.result["total_gib"] > 24
+    assert "does NOT fit" in dash.figure.axes[0].get_title()
