@@ -618,21 +618,21 @@ def lora_dashboard(gpu_gib: float = 24.0, **start):
                 "exact": found.get(key)}
 
     dash = Dashboard(controls, draw, title="Qwen-7B LoRA per-GPU memory (formula; button: exact)", figsize=(7, 4))
-    button, status = W.Button(description="exact estimate"), W.Output()
+    button = W.Button(description="exact estimate")
 
     def run_exact(_button=None):
         kw = knobs_to_setting(dash.values)
-        with status:
-            status.clear_output()
-            print("running fsdplab.memory.estimate ...")
-            [report] = exact([kw], workers=1)
-            print(report.table(gpu_mem_gib=gpu_gib))
+        say = getattr(dash, "say", print)   # the Dashboard's status line (plain HTML, no output capture)
+        say("running fsdplab.memory.estimate (tens of seconds) ...")
+        [report] = exact([kw], workers=1)
         found[tuple(sorted(kw.items()))] = report
-        return dash.refresh()
+        result = dash.refresh()
+        say(report.table(gpu_mem_gib=gpu_gib))
+        return result
 
     button.on_click(run_exact)
     dash.exact = run_exact
-    dash.widget = W.VBox([dash.widget, button, status])
+    dash.widget = W.VBox([dash.widget, button])
     return dash
 
 
