@@ -345,12 +345,15 @@ class Cluster:
         try:
             while True:
                 echo.update(results)
-                if all(ar.ready() for ar in results.values()):
-                    break
+                done = all(ar.ready() for ar in results.values())
+                # Checked even when every call is done: the call of a rank that died completes too,
+                # with ipyparallel's EngineError.
                 dead = {r: p for r, p in self._procs.items() if not _alive(p)}
                 if dead:
                     self._broken = "a rank died"
                     raise RankDied({r: self._exit_code(p) for r, p in dead.items()})
+                if done:
+                    break
                 if time.monotonic() > deadline:
                     stuck = [r for r, ar in results.items() if not ar.ready()]
                     self._broken = "a hang"

@@ -760,15 +760,16 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     from .widgets import Dashboard
 
     controls = {
-        "model": W.Dropdown(options=DASHBOARD_MODELS, value=model, description="model"),
-        "world_size": W.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=world_size, description="GPUs"),
+        "model": W.SelectionSlider(options=DASHBOARD_MODELS, value=model, description="model"),
+        "world_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=world_size, description="GPUs"),
         "strategy": W.Dropdown(options=STRATEGIES, value=strategy, description="strategy"),
         "precision": W.Dropdown(options=PRECISIONS, value=precision, description="precision"),
         "optimizer": W.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer"),
         "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing"),
-        "lora_rank": W.Dropdown(options=[0, 8, 16, 64, 128], value=lora_rank, description="LoRA r (0: full)"),
-        "seq_len": W.Dropdown(options=[64, 128, 256, 512, 1024, 2048, 4096, 8192], value=seq_len, description="seq len"),
-        "gpu_mem_gib": W.Dropdown(options=[16, 24, 40, 48, 80, 141], value=gpu_mem_gib, description="GPU GiB"),
+        "lora_rank": W.SelectionSlider(options=[0, 8, 16, 64, 128], value=lora_rank, description="LoRA r (0: full)"),
+        "seq_len": W.SelectionSlider(options=[64, 128, 256, 512, 1024, 2048, 4096, 8192], value=seq_len,
+                                     description="seq len"),
+        "gpu_mem_gib": W.SelectionSlider(options=[16, 24, 40, 48, 80, 141], value=gpu_mem_gib, description="GPU GiB"),
     }
     exact: dict = {}
 

@@ -217,3 +217,10 @@ def test_stop_ends_every_process():
     pids = c.pids + [c._ipp.controller.process.pid]
     c.stop()
     assert _wait_gone(pids) == []
+
+
+def test_the_only_rank_dying_is_rank_died():
+    with fsdplab.Cluster(1, backend="gloo", quiet=True) as c:
+        with pytest.raises(fsdplab.RankDied) as info:
+            c.execute("import os\nos._exit(5)", timeout=60)
+        assert info.value.exits == {0: 5}
