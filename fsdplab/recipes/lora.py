@@ -652,8 +652,9 @@ def parse_args(argv=None):
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
-    p.add_argument("--lora-targets", default="all-linear", help="all-linear, attention, or comma-separated module names")
-    p.add_argument("--task", default="reverse", choices=TASKS)
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="all-linear, attention, or comma-separated module names")
+    p.add_argument("--task", default="sort", choices=TASKS)
     p.add_argument("--seq-len", type=int, default=None, help="pad every sequence to this length (memory as in "
                                                              "real training); default: the task's length")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
