@@ -116,6 +116,9 @@ def tiny_twin(config, hidden_size: int = 128, num_layers: int = 4, vocab_size: i
     twin.vocab_size = vocab_size
     if hasattr(twin, "head_dim"):
         twin.head_dim = hidden_size // heads
+    if getattr(twin, "layer_types", None) is not None:
+        # Per-layer attention kinds: one entry per layer, or save_pretrained refuses the config.
+        twin.layer_types = list(config.layer_types)[:num_layers]
     return twin
 
 

@@ -152,3 +152,12 @@ def test_dashboard_fits_and_fsdp1_extra():
     dash.set(api="FSDP2", seq_len=8192, batch_size=8, activation_checkpointing=False)
     assert not dash.result["fits"] and dash.result["total_gib"] > 24
     assert "does NOT fit" in dash.figure.axes[0].get_title()
+
+
+def test_tiny_twin_config_saves_with_one_layer_type_per_layer(tmp_path):
+    from fsdplab.models import causal_lm, hf_config, tiny_twin
+
+    twin = tiny_twin(hf_config("qwen-7b"), num_layers=3)
+    assert len(twin.layer_types) == 3
+    causal_lm(twin, device="cpu").save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists()

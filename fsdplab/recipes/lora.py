@@ -205,9 +205,6 @@ def miniature_config(tokenizer: CharTokenizer | None = None, name: str = "qwen-7
 
     config = tiny_twin(hf_config(name), vocab_size=(tokenizer or CharTokenizer()).vocab_size)
     config.initializer_range = initializer_range
-    if isinstance(getattr(config, "layer_types", None), list) and len(config.layer_types) != config.num_hidden_layers:
-        # tiny_twin copies the full model's per-layer list; save_pretrained refuses a mismatch.
-        config.layer_types = list(config.layer_types[:config.num_hidden_layers])
     return config
 
 
