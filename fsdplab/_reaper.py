@@ -4,8 +4,6 @@ Run as `python -m fsdplab._reaper KERNEL_PID PIDFILE`. The pid file lists the ra
 processes (rewritten on restart). Cluster.stop() kills this watcher on a normal shutdown.
 """
 
-import os
-import signal
 import sys
 import time
 
@@ -35,10 +33,19 @@ def main(kernel_pid: int, pidfile: str) -> None:
         kernel = None
     while kernel is not None and not _gone(kernel):
         time.sleep(0.5)
+    # The controller runs its schedulers as child processes: collect every descendant before killing,
+    # or they would outlive it as orphans.
+    victims = []
     for pid in _pids(pidfile):
         try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
+            proc = psutil.Process(pid)
+            victims += [proc] + proc.children(recursive=True)
+        except psutil.Error:
+            pass
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.Error:
             pass
 
 
