@@ -420,29 +420,6 @@ def fsdp1_state_dict_defaults() -> dict:
             "FullStateDictConfig().rank0_only": config.rank0_only}
 
 
-def execute_expecting_death(cluster, source: str, timeout: float = 60) -> None:
-    """`cluster.execute(source)` for code that kills a rank on purpose; a dead rank is raised as
-    `fsdplab.RankDied` (with its exit code) every time.
-
-    Needed because Cluster's exit-code lookup iterates ipyparallel's launcher table while ipyparallel's
-    own event loop may drop the dead engine from it, which surfaces as "RuntimeError: dictionary changed
-    size during iteration" instead of RankDied. Remove this wrapper once Cluster copies that table."""
-    import time
-
-    from .cluster import RankDied, RankError, _alive
-
-    try:
-        cluster.execute(source, timeout=timeout)
-    except (RankDied, RankError):
-        raise
-    except RuntimeError as err:
-        if "changed size during iteration" not in str(err):
-            raise
-        time.sleep(0.5)  # let the launcher thread reap the process and cache its exit code
-        exits = {r: getattr(p, "_exitcode", None) for r, p in cluster._procs.items() if not _alive(p)}
-        raise RankDied({r: (int(c) if isinstance(c, int) else None) for r, c in exits.items()}) from None
-
-
 # --- a training loop whose result does not depend on the world size ----------------------------------------------
 
 def train_steps(model, optimizer, cfg, steps: int, start_step: int = 0, global_batch: int = 8,
