@@ -119,15 +119,18 @@ def _stack_of_thread(dump: str, thread_id: int) -> str:
 
 
 def _stop_ipp(ipp_cluster, reaper):
-    """Stop an ipyparallel cluster and its reaper; safe to call twice, never raises."""
+    """Stop an ipyparallel cluster, then its watcher; safe to call twice, never raises.
+
+    The watcher goes last: if this process is killed half-way (a kernel shut down with a short grace
+    period), the watcher is still there to finish the job."""
+    try:
+        ipp_cluster.stop_cluster_sync()
+    except Exception:
+        pass
     try:
         if reaper is not None and reaper.poll() is None:
             reaper.kill()
             reaper.wait(5)
-    except Exception:
-        pass
-    try:
-        ipp_cluster.stop_cluster_sync()
     except Exception:
         pass
 
