@@ -1,0 +1,7 @@
+"""`python -m fsdplab ...` is the `fsdplab` command (for when the script is not on PATH)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
