@@ -41,14 +41,14 @@ def mixed_precision_policy(precision: str = "fp32", reduce_precision: str | None
 
 def apply_activation_checkpointing(model: nn.Module, blocks=None) -> None:
     """Recompute each block in backward instead of storing its activations (non-reentrant, as torch advises)."""
+    import functools
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing as _apply)
+        CheckpointImpl, apply_activation_checkpointing as _apply, checkpoint_wrapper)
 
     targets = set(map(id, blocks if blocks is not None else blocks_of(model)))
     _apply(model, check_fn=lambda m: id(m) in targets,
-           checkpoint_wrapper_fn=lambda m: __import__("torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
-                                                      fromlist=["checkpoint_wrapper"]).checkpoint_wrapper(
-               m, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+           checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, precision: str = "fp32",
@@ -105,6 +105,18 @@ def parallelize(model: nn.Module, strategy: str = "full_shard", *, mesh=None, de
                       cpu_offload=cpu_offload)
 
 
+def backward_and_step(loss, optimizer, scaler=None) -> None:
+    """loss.backward(), optimizer.step(), zero_grad(); through a GradScaler when one is given (fp16)."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def build_tiny(cfg=None, seed: int = 0, device="cpu") -> nn.Module:
     """The same TinyTransformer on every rank (same seed), on `device`."""
     from .models import TinyConfig, TinyTransformer
@@ -127,9 +139,7 @@ def train(model, optimizer, steps: int, cfg, batch_size: int = 4, device="cpu", 
         # Call the wrapper's forward (not model.module): DDP only synchronises gradients it saw a forward for.
         logits = model(tokens)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        backward_and_step(loss, optimizer)
         losses.append(loss.item())
         if log_every and (step % log_every == 0 or step == steps - 1) and rank == 0:
             print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)

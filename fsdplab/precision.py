@@ -343,7 +343,7 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
     """
     from .dist import device, mesh, rank
     from .models import TinyConfig, random_batch
-    from .parallel import apply_fsdp, build_tiny
+    from .parallel import apply_fsdp, backward_and_step, build_tiny
 
     if mode not in CURVE_MODES:
         raise ValueError(f"mode must be one of {CURVE_MODES}, got {mode!r}.")
@@ -365,14 +365,7 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
     for step in range(steps):
         tokens, targets = random_batch(cfg, batch_size, seed=seed + 1000 * step + rank(), device=dev)
         loss = model.loss(tokens, targets)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        backward_and_step(loss, opt, scaler)
         value = loss.item()
         losses.append(value if math.isfinite(value) else float("nan"))
     return losses

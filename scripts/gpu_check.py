@@ -302,6 +302,7 @@ def fsdp1_step(name, fsdp_kwargs, how, cfg, device):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
     from fsdplab.models import Block, TinyTransformer, random_batch
+    from fsdplab.parallel import backward_and_step
 
     torch.manual_seed(0)
     model = TinyTransformer(cfg)          # on the CPU: FSDP1 moves it to device_id (or keeps it there, offloaded)
@@ -328,14 +329,7 @@ def fsdp1_step(name, fsdp_kwargs, how, cfg, device):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     loss = torch.nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    else:
-        loss.backward()
-        opt.step()
-    opt.zero_grad(set_to_none=True)
+    backward_and_step(loss, opt, scaler)
     if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
