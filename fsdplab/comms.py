@@ -360,6 +360,19 @@ def make_mesh(shape=None, names=None):
     return init_device_mesh(device().type, tuple(shape), mesh_dim_names=tuple(names) if names else None)
 
 
+def _train_step(model, optimizer, cfg, batch_size, seed, counter=None) -> float:
+    """One step on the toy task; the optimizer step runs in the counter's "step" section (when counting)."""
+    from .models import random_batch
+
+    tokens, targets = random_batch(cfg, batch_size, seed=seed)
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    with counter.section("step") if counter else contextlib.nullcontext():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2, seed: int = 0,
                      mesh=None, explicit_prefetch: int = 0, warmup_steps: int = 1) -> dict:
     """Build the tiny transformer, parallelize it with `strategy`, run `warmup_steps` steps, then count one.
@@ -368,7 +381,7 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` to the next k blocks.
     Returns plain data: the event log, the parameter count of the blocks and of the rest (the root unit),
     and the bytes of one fp32 copy of all parameters."""
-    from .models import TinyConfig, random_batch
+    from .models import TinyConfig
     from .parallel import blocks_of, build_tiny, parallelize
 
     cfg = cfg or TinyConfig()
@@ -385,12 +398,7 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     rank = torch.distributed.get_rank()
 
     def step(counter=None):
-        tokens, targets = random_batch(cfg, batch_size, seed=seed + rank)
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        with counter.section("step") if counter else contextlib.nullcontext():
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        return _train_step(model, optimizer, cfg, batch_size, seed + rank, counter)
 
     for _ in range(warmup_steps):
         step()
@@ -553,7 +561,7 @@ def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: i
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from .models import TinyConfig, random_batch
+    from .models import TinyConfig
     from .parallel import blocks_of, build_tiny
 
     cfg = cfg or TinyConfig()
@@ -569,13 +577,7 @@ def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: i
     dp_rank = mesh2d.get_local_rank("dp")
 
     def step(counter=None):
-        tokens, targets = random_batch(cfg, batch_size, seed=seed + dp_rank)
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        with counter.section("step") if counter else contextlib.nullcontext():
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return _train_step(model, optimizer, cfg, batch_size, seed + dp_rank, counter)
 
     first_loss = step()
     with CommCounter(mesh=mesh2d) as counter:
