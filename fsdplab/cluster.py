@@ -163,7 +163,7 @@ class Cluster:
         self._procs: dict = {}           # rank -> psutil.Process
         self._info: list = []
         self._broken: str | None = None
-        self._workdir = tempfile.mkdtemp(prefix="fsdplab-")
+        self._workdir = None             # scratch folder (stack dumps, pid file), made by start()
 
     # --- life cycle ---------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -173,7 +173,8 @@ class Cluster:
         import ipyparallel as ipp
 
         t0 = time.perf_counter()
-        os.makedirs(self._workdir, exist_ok=True)
+        if self._workdir is None:
+            self._workdir = tempfile.mkdtemp(prefix="fsdplab-")
         threads = max(1, (os.cpu_count() or 1) // self.world_size) if self.backend == "gloo" else 4
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
         self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.ERROR, cluster_id=f"fsdplab-{os.getpid()}-{id(self)}",
@@ -248,7 +249,9 @@ class Cluster:
     def stop(self) -> None:
         """Stop every rank process and the controller, and remove the cluster's scratch folder."""
         self._shutdown()
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
 
     def _shutdown(self) -> None:
         if self._client is None:
@@ -435,9 +438,12 @@ class _Echo:
                 self.seen[key] = len(text)
                 buf = self.partial.get(key, "") + new
                 lines = buf.split("\n")
+                # Hold back an unfinished last line until it ends, or until the call does.
                 self.partial[key] = "" if final else lines.pop()
+                if final and lines and not lines[-1]:
+                    lines.pop()
                 out = sys.stderr if stream_name == "stderr" else sys.stdout
-                for line in lines if not final else [ln for ln in lines if ln] or []:
+                for line in lines:
                     print(f"[rank {r}] {line}", file=out, flush=True)
 
 
