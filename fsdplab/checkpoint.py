@@ -169,8 +169,7 @@ def full_state(model: nn.Module, optimizer=None) -> dict:
     """Model (and optimizer) state as one flat dict of full CPU tensors on rank 0 ({} elsewhere), for
     bit-exact comparisons across world sizes: keys 'model.<fqn>' and 'optim.<fqn>.<exp_avg|...>'.
     Collective: call it on every rank."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     out = {f"model.{k}": v for k, v in full_model_state(model).items()}
     if optimizer is not None:
