@@ -54,6 +54,20 @@ def backend() -> str:
     return _require_rank("backend")["backend"]
 
 
+def this_rank() -> int:
+    """This process's rank in the default process group, or 0 outside one (a notebook kernel, one process)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def this_world_size() -> int:
+    """Ranks in the default process group, or 1 outside one."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def print0(*args, **kwargs) -> None:
     """print() on rank 0 only (every rank may call it)."""
     if rank() == 0:

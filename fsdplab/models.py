@@ -1,18 +1,17 @@
-"""Models the lessons shard: a tiny transformer written out in full, and transformers configs with the
-real sizes of the posts' models (built on the meta device: shapes without memory) plus tiny twins of the
-same architecture that train in seconds on CPU ranks.
+"""Models the lessons shard: a tiny transformer written out in full, and one registry of named transformers
+models at their real sizes (built on the meta device: shapes without memory), plus tiny twins of the same
+architecture that train in seconds on CPU ranks.
+
+Adding a model is one entry in `MODELS`: the formula's sizes, the CLI's choices, the dashboards' lists and
+the tiny twins all derive from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-# Parameter counts checked against the models' published sizes (see tests/test_models.py).
-PARAM_COUNTS = {"qwen-7b": 7_721_324_544, "qwen2-7b": 7_615_616_512, "llama2-7b": 6_738_415_616}
-
 
 @dataclass
 class TinyConfig:
@@ -62,10 +61,6 @@ class TinyTransformer(nn.Module):
             x = layer(x)
         return self.head(self.norm(x))
 
-    def loss(self, tokens, targets):
-        logits = self(tokens)
-        return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
 
 def random_batch(cfg: TinyConfig, batch_size: int = 4, seed: int = 0, device="cpu"):
     """(tokens, targets) of a learnable toy task: each target is the next token of a repeating sequence."""
@@ -76,37 +71,71 @@ def random_batch(cfg: TinyConfig, batch_size: int = 4, seed: int = 0, device="cp
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
-# --- transformers configs with the real sizes -------------------------------------------------------
+# --- the registry: transformers configs with the real sizes ------------------------------------------
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A named model: its transformers config class and the fields that differ from that class's defaults."""
+
+    name: str
+    config_class: str                 # a class of `transformers`, e.g. "Qwen2Config"
+    fields: dict = field(default_factory=dict)
+    params: int | None = None         # published parameter count, checked by tests/test_models.py
+    about: str = ""
+
+
+_NO_CACHE = dict(use_cache=False)
+_QWEN = dict(tie_word_embeddings=False, rms_norm_eps=1e-6, **_NO_CACHE)
+
+MODELS = {entry.name: entry for entry in (
+    ModelEntry("qwen-7b", "Qwen2Config", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=11008, vocab_size=151936, max_position_embeddings=8192, **_QWEN),
+        params=7_721_324_544,
+        about="Qwen v1 7B (the posts' model): no GQA, MLP 11008, bias on q/k/v: Qwen2's architecture at these sizes"),
+    ModelEntry("qwen2-7b", "Qwen2Config", dict(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768, rope_theta=1_000_000.0, **_QWEN),
+        params=7_615_616_512, about="Qwen2 7B"),
+    ModelEntry("llama2-7b", "LlamaConfig", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096, **_NO_CACHE),
+        params=6_738_415_616, about="Llama 2 7B"),
+    ModelEntry("llama2-13b", "LlamaConfig", dict(
+        hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+        intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096, **_NO_CACHE),
+        params=13_015_864_320, about="Llama 2 13B"),
+    ModelEntry("llama2-70b", "LlamaConfig", dict(
+        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096, **_NO_CACHE),
+        params=68_976_648_192, about="Llama 2 70B"),
+    ModelEntry("tiny", "Qwen2Config", dict(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=256, vocab_size=512, max_position_embeddings=512, **_QWEN),
+        about="a tiny Qwen2 (hidden 128, 4 layers) that trains in seconds on CPU ranks"),
+)}
+PARAM_COUNTS = {name: entry.params for name, entry in MODELS.items() if entry.params}
+
 
 def hf_config(name: str):
-    """transformers config for 'qwen-7b' (Qwen v1 sizes on the Qwen2 architecture), 'qwen2-7b',
-    'llama2-7b', or a tiny twin: 'tiny' / 'tiny-qwen' (hidden 128, 4 layers)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The transformers config of a registered model (see `MODELS`)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: use one of {list(MODELS)}.")
+    import transformers
 
-    common = dict(tie_word_embeddings=False, rms_norm_eps=1e-6, use_cache=False)
-    if name == "qwen-7b":
-        # Qwen v1 7B: no GQA, MLP 11008, bias on q/k/v: exactly Qwen2's architecture at these sizes.
-        return Qwen2Config(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                           intermediate_size=11008, vocab_size=151936, max_position_embeddings=8192, **common)
-    if name == "qwen2-7b":
-        return Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                           intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
-                           rope_theta=1_000_000.0, **common)
-    if name == "llama2-7b":
-        return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                           intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
-                           use_cache=False)
-    if name in ("tiny", "tiny-qwen"):
-        return Qwen2Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=256, vocab_size=512, max_position_embeddings=512, **common)
-    raise ValueError(f"unknown model {name!r}: use one of {MODEL_NAMES}.")
+    entry = MODELS[name]
+    return getattr(transformers, entry.config_class)(**entry.fields)
 
 
-MODEL_NAMES = ("qwen-7b", "qwen2-7b", "llama2-7b", "tiny")
+def config_of(model):
+    """A transformers config for a registered name, or `model` itself when it already is a config."""
+    return hf_config(model) if isinstance(model, str) else model
 
 
 def tiny_twin(config, hidden_size: int = 128, num_layers: int = 4, vocab_size: int = 512):
-    """Same architecture as `config` (attention layout, GQA ratio, MLP ratio), small enough for CPU ranks."""
+    """Same architecture as `config` (a config or a registered name: attention layout, GQA ratio, MLP
+    ratio), small enough for CPU ranks."""
+    config = config_of(config)
     twin = config.__class__(**config.to_dict())
     heads = 4
     kv_ratio = max(1, config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads))
@@ -122,15 +151,46 @@ def tiny_twin(config, hidden_size: int = 128, num_layers: int = 4, vocab_size: i
     return twin
 
 
-def causal_lm(config, device="meta", dtype=None):
-    """A transformers causal LM from `config`; on the meta device by default (no memory used)."""
+def dtype_kwarg(dtype) -> dict:
+    """transformers' dtype keyword: `dtype` in transformers >= 4.56, `torch_dtype` before."""
+    if dtype is None:
+        return {}
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def causal_lm(config, device="meta", dtype=None, trust_remote_code: bool = False):
+    """A transformers causal LM from `config` (or a registered name); on the meta device by default (no
+    memory used)."""
     from transformers import AutoModelForCausalLM
 
+    extra = {"trust_remote_code": True} if trust_remote_code else {}
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype) if dtype else \
-            AutoModelForCausalLM.from_config(config)
-    return model
+        return AutoModelForCausalLM.from_config(config_of(config), **dtype_kwarg(dtype), **extra)
 
 
 def count_params(model, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+# --- where the blocks are -----------------------------------------------------------------------------
+
+def blocks_of(model: nn.Module) -> list:
+    """The repeated transformer blocks: the units FSDP shards and gathers one at a time. Known paths first
+    (the tiny transformer, transformers' decoders, peft-wrapped decoders, GPT-2 style), then the ModuleList
+    with one entry per hidden layer."""
+    for path in ("layers", "model.layers", "base_model.model.model.layers", "transformer.h"):
+        module = model
+        try:
+            for name in path.split("."):
+                module = getattr(module, name)
+        except AttributeError:
+            continue
+        return list(module)
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and num_layers and len(module) == num_layers:
+            return list(module)
+    raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}; pass blocks= explicitly.")

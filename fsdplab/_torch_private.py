@@ -1,0 +1,356 @@
+"""Every private torch API fsdplab relies on, in one place, each behind a thin shim.
+
+- The exact memory estimator runs a real training step of a full-size model in one process with nothing
+  behind the tensors: a fake process group of any world size (`FakeStore` + the "fake" backend), fake
+  tensors (`FakeTensorMode`) and FSDP2's memory tracker (`FSDPMemTracker`), which sorts every live tensor
+  into parameters, gradients, optimizer state, activations and communication buffers.
+- The byte counter is a `TorchDispatchMode`, labels FSDP2's collectives with their unit (`FSDPParamGroup`),
+  tells forward from backward (the autograd engine's graph task id) and names process groups
+  (`_resolve_process_group`); the timeline aligns ranks on the profiler's trace start (kineto results).
+- Activation checkpointing uses torch's `checkpoint_wrapper` (torch.distributed.algorithms._checkpoint).
+- Lesson 05 reads FSDP1's default state-dict type from its source (`_init_utils._init_state_dict_state`).
+
+None of these are public APIs. `check_private_apis()` (run by tests/test_memory.py) fails loudly, naming
+what changed, when a torch upgrade moves one; each shim raises `PrivateAPIError` with the torch version
+and what to do, never silently doing less.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+# The tracker's own category names, mapped to the six categories fsdplab reports.
+TRACKER_TO_CATEGORY = {
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "OptState": "optimizer_state",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "All Gather": "communication_buffers",
+    "Reduce Scatter": "communication_buffers",
+    "Temp": "other",
+    "Buffer": "other",
+    # MemTracker (non-FSDP models such as DDP) uses these names.
+    "Parameter": "parameters",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+}
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers", "other")
+# What CPU offload moves off the GPU (FSDP2 CPUOffloadPolicy: sharded params and grads live on the
+# host and the optimizer steps there).
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+
+
+class PrivateAPIError(RuntimeError):
+    """A private torch API the lab uses is gone or changed in the installed torch."""
+
+
+_ADVICE = ("fsdplab is tested with torch 2.13.0 and supports torch >= 2.6: install a version in that range "
+           "(pip install torch==2.13.0), or report the change so the shim in fsdplab/_torch_private.py can "
+           "follow it.")
+
+
+def _problem(what: str, error) -> str:
+    return f"{what} ({error})"
+
+
+def _missing(what: str, error) -> PrivateAPIError:
+    import torch
+
+    return PrivateAPIError(f"torch {torch.__version__} changed a private API fsdplab uses: "
+                           f"{_problem(what, error)}. {_ADVICE}")
+
+
+def check_private_apis() -> None:
+    """Raise PrivateAPIError naming every private API that is missing or changed in this torch."""
+    problems = []
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError as e:
+        problems.append(f"torch.testing._internal.distributed.fake_pg.FakeStore: {e}")
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+    except ImportError as e:
+        problems.append(f"torch._subclasses.fake_tensor.FakeTensorMode: {e}")
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+        names = {t.value for t in _FSDPRefType} | {t.value for t in _MemRefType}
+        missing = sorted(set(TRACKER_TO_CATEGORY) - names)
+        if missing:
+            problems.append(f"tracker categories renamed: {missing} not in {sorted(names)}")
+        for cls, attrs in ((MemTracker, ("_update_peak_stats", "_curr_mem_snap", "get_tracker_snapshot")),
+                           (FSDPMemTracker, ("track_inputs", "reset_mod_stats"))):
+            for attr in attrs + ("_peak_mem", "_peak_mem_snap"):
+                if not hasattr(cls, attr) and attr not in MemTracker().__dict__:
+                    problems.append(f"{cls.__name__}.{attr} is gone")
+    except ImportError as e:
+        problems.append(f"torch.distributed._tools mem trackers: {e}")
+    for shim in (fsdp_param_group, checkpoint_wrapper_fn, graph_task_id, fsdp1_default_state_dict_type,
+                 torch_dispatch_mode):
+        try:
+            shim()
+        except PrivateAPIError as e:
+            problems.append(e.args[0].split(" uses: ", 1)[1].removesuffix(" " + _ADVICE))
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: F401
+    except ImportError as e:
+        problems.append(f"torch.distributed.distributed_c10d._resolve_process_group: {e}")
+    if problems:
+        import torch
+
+        raise PrivateAPIError(f"torch {torch.__version__} changed private APIs fsdplab uses:\n  "
+                              + "\n  ".join(problems) + "\n" + _ADVICE)
+
+
+# --- the byte counter: FSDP2 units, forward vs backward, group names -----------------------------------------
+
+def fsdp_param_group():
+    """FSDP2's per-unit class, whose `unshard` / `post_backward` / `reshard` launch and end a unit's
+    collectives: the byte counter wraps them to label each collective with its unit."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError as e:
+        raise _missing("torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup", e) from None
+    # (each unit's `_module_fqn` is set per instance: `fsdp_unit_name` checks it where it is read)
+    gone = [name for name in ("unshard", "post_backward", "reshard", "is_unsharded")
+            if not hasattr(FSDPParamGroup, name)]
+    if gone:
+        raise _missing("FSDPParamGroup", f"no {gone}")
+    return FSDPParamGroup
+
+
+def fsdp_unit_name(group) -> str:
+    """The module path of an FSDP2 unit (an FSDPParamGroup instance); "root" for the root module."""
+    if not hasattr(group, "_module_fqn"):
+        raise _missing("FSDPParamGroup._module_fqn", "not set on the unit")
+    return group._module_fqn or "root"
+
+
+def torch_dispatch_mode():
+    """torch's TorchDispatchMode base class: the byte counter is one (as torch's own CommDebugMode is)."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError as e:
+        raise _missing("torch.utils._python_dispatch.TorchDispatchMode", e) from None
+    return TorchDispatchMode
+
+
+def profiler_trace_start_ns(prof) -> int:
+    """When a torch.profiler trace started (ns): the timeline aligns every rank's events on it."""
+    try:
+        return prof.profiler.kineto_results.trace_start_ns()
+    except AttributeError as e:
+        raise _missing("torch.profiler.profile().profiler.kineto_results.trace_start_ns", e) from None
+
+
+def graph_task_id() -> int:
+    """The autograd engine's current graph task: -1 outside backward (how the counter tells the phases apart)."""
+    import torch
+
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    if fn is None:
+        raise _missing("torch._C._current_graph_task_id", "not found")
+    return fn()
+
+
+def resolve_process_group(name: str):
+    """The ProcessGroup registered under `name` (functional collectives pass groups by name); None if unknown."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+    except ImportError as e:
+        raise _missing("torch.distributed.distributed_c10d._resolve_process_group", e) from None
+    try:
+        return _resolve_process_group(name)
+    except Exception:  # not a group name: the caller tries the next argument
+        return None
+
+
+# --- activation checkpointing ------------------------------------------------------------------------------
+
+def checkpoint_wrapper_fn():
+    """(apply_activation_checkpointing, a wrapper factory for non-reentrant checkpointing), torch's own."""
+    import functools
+
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    except ImportError as e:
+        raise _missing("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", e) from None
+    return apply_activation_checkpointing, functools.partial(checkpoint_wrapper,
+                                                             checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+# --- FSDP1 defaults --------------------------------------------------------------------------------------------
+
+def fsdp1_default_state_dict_type() -> str:
+    """The state-dict type FSDP1 uses when nobody sets one, read from the installed torch's source."""
+    import inspect
+
+    try:
+        from torch.distributed.fsdp import _init_utils
+
+        source = inspect.getsource(_init_utils._init_state_dict_state)
+    except (ImportError, AttributeError, OSError) as e:
+        raise _missing("torch.distributed.fsdp._init_utils._init_state_dict_state", e) from None
+    found = re.search(r"_state_dict_type\s*=\s*StateDictType\.(\w+)", source)
+    if not found:
+        raise _missing("_init_state_dict_state", "no default StateDictType assignment in its source")
+    return found.group(1)
+
+
+# --- the memory estimator ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """A process group of `world_size` ranks in this one process, as rank 0; collectives do nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; run the estimate in a subprocess.")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_tensor_mode():
+    """Tensors with shapes and dtypes but no storage. Non-fake inputs are allowed so that meta parameters
+    can be `to_empty`-ed into fake CPU tensors inside the mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def eager_attention_masks():
+    """Make transformers build the same attention masks on fake tensors as on real ones.
+
+    transformers treats fake tensors as tracing: it cannot check whether position_ids describe packed
+    sequences, so it materialises a full causal mask and skips SDPA's is_causal and GQA fast paths. A
+    real run of one unpacked sequence per row takes those fast paths; patching the packed-sequence
+    detector to "none" (true for the estimator's batches) makes the fake run take them too."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _category_totals(snapshot: dict, skip=()) -> dict:
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for key, value in snapshot.items():
+        name = getattr(key, "value", key)
+        if name == "Total" or name in skip:
+            continue
+        totals[TRACKER_TO_CATEGORY.get(name, "other")] += value
+    return totals
+
+
+def _raw(snapshot: dict) -> dict:
+    return {getattr(k, "value", k): int(v) for k, v in snapshot.items()}
+
+
+
+
+class _PeakTracker:
+    """Mixed in before torch's MemTracker / FSDPMemTracker: keeps the global peak, each category's own
+    maximum, and the peak of what stays on the device when sharded parameters, gradients and optimizer
+    state are offloaded to the host."""
+
+    def _init_peaks(self, key_category: dict, offloaded_keys: set):
+        self._key_category, self._offloaded_keys = key_category, offloaded_keys
+        self.offload_peak, self.offload_peak_snap = 0, {}
+        self.category_max, self.offload_category_max = {}, {}
+
+    def _update_peak_stats(self, peak_state):
+        # The base class also refreshes a per-module peak for every live module on every op, which costs a
+        # sixth of an estimate's time; fsdplab reports only the global peaks, kept here.
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+            cats, kept, off = {}, {}, 0
+            for k, v in snap.items():
+                c = self._key_category.get(k)
+                if c is None or not v:
+                    continue
+                cats[c] = cats.get(c, 0) + v
+                if k in self._offloaded_keys:
+                    off += v
+                else:
+                    kept[c] = kept.get(c, 0) + v
+            for found, maxima in ((cats, self.category_max), (kept, self.offload_category_max)):
+                for c, v in found.items():
+                    if v > maxima.get(c, 0):
+                        maxima[c] = v
+            on_device = snap["Total"] - off
+            if on_device > self.offload_peak:
+                self.offload_peak, self.offload_peak_snap = on_device, dict(snap)
+
+    def reset_peak(self):
+        """Forget the peak so far: the next one is measured from what is live now."""
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+        self.offload_peak, self.offload_peak_snap = 0, {}
+        self.category_max, self.offload_category_max = {}, {}
+        self.reset_mod_stats()
+
+    def current(self) -> dict:
+        """Raw tracker categories live right now (bytes, summed over devices)."""
+        out: dict = {}
+        for snap in self.get_tracker_snapshot("current").values():
+            for k, v in _raw(snap).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def category_peaks(self, offload: bool = False) -> dict:
+        """Each of the six categories' own maximum over the tracked region (they need not coincide; unlike
+        the split at the peak, these do not depend on which of two near-equal moments wins)."""
+        found = self.offload_category_max if offload else self.category_max
+        return {c: int(found.get(c, 0)) for c in CATEGORIES}
+
+    def peak(self, offload: bool = False) -> tuple[int, dict, dict]:
+        """(peak bytes, six categories at the peak, raw tracker categories at the peak)."""
+        if offload:
+            snap = self.offload_peak_snap
+            return int(self.offload_peak), _category_totals(snap, skip=OFFLOADED), _raw(snap)
+        snaps = self.get_tracker_snapshot("peak")
+        if not snaps:
+            return 0, dict.fromkeys(CATEGORIES, 0), {}
+        snap = max(snaps.values(), key=lambda s: s["Total"])
+        return int(snap["Total"]), _category_totals(snap), _raw(snap)
+
+
+def make_tracker(model, optimizer=None):
+    """A memory tracker for `model` with the peaks of `_PeakTracker`. FSDP models get FSDPMemTracker; any
+    other model (DDP, a plain module) the generic MemTracker."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed.fsdp import FSDPModule
+
+    base = FSDPMemTracker if isinstance(model, FSDPModule) else MemTracker
+    tracker = type(f"Peak{base.__name__}", (_PeakTracker, base), {})(
+        *((model, optimizer) if base is FSDPMemTracker else ()))
+    if base is MemTracker:
+        tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+    # Snapshot keys are str-Enum members (hashed by name, not value): map the members themselves.
+    tracker._init_peaks({t: TRACKER_TO_CATEGORY.get(t.value, "other") for t in (*_FSDPRefType, *_MemRefType)},
+                        {t for t in _FSDPRefType if t.value in OFFLOADED})
+    return tracker

@@ -1,0 +1,161 @@
+"""One training setting, validated once: what `formula`, `estimate`, `measure`, the CLI and the LoRA recipe
+take. Variants are `dataclasses.replace(setting, field=value)` (or `setting.replace(...)`).
+
+Also the lab's shared vocabulary: the strategy, precision and optimizer names, dtypes and byte units,
+each defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GIB = 1024 ** 3   # memory is counted in binary units: GiB is what nvidia-smi and torch.cuda report
+MIB = 1024 ** 2
+
+# Every data-parallel layout the lab talks about. The formula models all of them; live ranks run the ones in
+# RUNNABLE (ZeRO-1/2 are DeepSpeed's, modelled only); the exact estimator runs the ones in EXACT.
+STRATEGIES = ("ddp", "zero1", "zero2", "shard_grad_op", "full_shard", "hybrid_shard")
+RUNNABLE_STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "hybrid_shard")
+FSDP_STRATEGIES = ("shard_grad_op", "full_shard", "hybrid_shard")
+EXACT_STRATEGIES = ("shard_grad_op", "full_shard")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+LORA_TARGETS = ("all-linear", "attention")
+
+
+def torch_dtype(name: str):
+    """'fp32' / 'bf16' / 'fp16' -> the torch dtype (torch is imported only when a dtype is needed)."""
+    import torch
+
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    check_choice("precision", name, table)
+    return table[name]
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class TrainSetting:
+    """One fine-tuning run as one rank sees it. Every field has a default that is the posts' setting or the
+    most common choice; `__post_init__` rejects bad values with the fix in the message."""
+
+    # A registered model name (fsdplab.models.MODELS), a transformers config, or a bare parameter count
+    # (e.g. 60.2e6 for ResNet152: the formula then has no blocks and no activation model).
+    model: object = "qwen-7b"
+    # Ranks (GPUs) in the data-parallel group.
+    world_size: int = 8
+    # How model states are split: see STRATEGIES. full_shard is FSDP's ZeRO-3, shard_grad_op its ZeRO-2.
+    strategy: str = "full_shard"
+    # Compute dtype. FSDP keeps fp32 sharded parameters (the master copy) and reduces gradients in fp32.
+    precision: str = "bf16"
+    # Optimizer: Adam/AdamW keep two fp32 states per trained parameter, SGD (momentum) one.
+    optimizer: str = "adamw"
+    # LoRA rank; None is a full fine-tune. alpha defaults to 2 * rank.
+    lora_rank: int | None = None
+    lora_alpha: int | None = None
+    # Which Linear layers get adapters: every Linear in the blocks, q/k/v/o only, or a tuple of module names
+    # (the formula knows the first two only).
+    lora_targets: str | tuple = "all-linear"
+    # Tokens per sequence and sequences per rank per step (micro-batch).
+    seq_len: int = 2048
+    batch_size: int = 1
+    # Recompute each block's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
+    # FSDP: sharded parameters, gradients and optimizer state live in host memory (CPUOffloadPolicy).
+    cpu_offload: bool = False
+    # FSDP: one unit per transformer block (True) or the whole model as one unit.
+    per_block: bool = True
+    # hybrid_shard: ranks in one shard group (one node); None means min(world_size, 8).
+    shard_group_size: int | None = None
+    # The attention kernel never stores the score matrix (flash / memory-efficient SDPA, transformers' default).
+    flash_attention: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}.")
+        check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        if isinstance(self.lora_targets, (list, tuple)):
+            if not self.lora_targets or not all(isinstance(n, str) for n in self.lora_targets):
+                raise ValueError("lora_targets as a list must hold module names such as ('q_proj', 'v_proj').")
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        else:
+            check_choice("lora_targets", self.lora_targets, LORA_TARGETS)
+        if self.lora_rank is not None and (not isinstance(self.lora_rank, int) or self.lora_rank < 1):
+            raise ValueError(f"lora_rank must be a positive integer or None (full fine-tune), got {self.lora_rank!r}.")
+        if not isinstance(self.seq_len, int) or not isinstance(self.batch_size, int) \
+                or self.seq_len < 1 or self.batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be positive integers, got {self.seq_len!r} and "
+                             f"{self.batch_size!r}.")
+        if isinstance(self.model, (int, float)) and not isinstance(self.model, bool):
+            if self.lora_rank is not None:
+                raise ValueError("lora_rank needs a transformer model (a name or a config), not a parameter count.")
+        elif isinstance(self.model, str):
+            from .models import MODELS
+
+            if self.model not in MODELS:
+                raise ValueError(f"unknown model {self.model!r}: use one of {list(MODELS)}, a transformers config, "
+                                 "or a parameter count such as 60.2e6.")
+        elif not hasattr(self.model, "hidden_size"):
+            raise ValueError(f"model must be a name ({'/'.join(_model_names())}), a transformers config or a "
+                             f"parameter count; got {type(self.model).__name__}.")
+        if self.strategy == "hybrid_shard" and self.world_size % self.shards:
+            raise ValueError(f"hybrid_shard needs world_size ({self.world_size}) to be a multiple of "
+                             f"shard_group_size ({self.shards}).")
+
+    # -- derived values
+    @property
+    def model_name(self) -> str:
+        """The model as a short label."""
+        if isinstance(self.model, str):
+            return self.model
+        if isinstance(self.model, (int, float)):
+            return f"{self.model / 1e6:g}M params"
+        return getattr(self.model, "name_or_path", "") or type(self.model).__name__
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's switch between FULL_SHARD (True) and SHARD_GRAD_OP (False)."""
+        return self.strategy != "shard_grad_op"
+
+    @property
+    def shards(self) -> int:
+        """Ranks one parameter is split over (1 for DDP and ZeRO's replicated weights)."""
+        if self.strategy == "hybrid_shard":
+            return self.shard_group_size or min(self.world_size, 8)
+        return self.world_size if self.strategy in FSDP_STRATEGIES else 1
+
+    @property
+    def alpha(self) -> int | None:
+        return None if self.lora_rank is None else (self.lora_alpha or 2 * self.lora_rank)
+
+    def replace(self, **changes) -> "TrainSetting":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Plain values (the model as its label): what a report records."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["model"] = self.model_name
+        return data
+
+
+def as_setting(setting: TrainSetting | None = None, **changes) -> TrainSetting:
+    """`setting` with `changes` applied, or a new TrainSetting from `changes`: the one entry point that
+    turns keyword arguments into a validated setting."""
+    if setting is None:
+        return TrainSetting(**changes)
+    if not isinstance(setting, TrainSetting):
+        raise ValueError(f"expected a TrainSetting, got {type(setting).__name__}: pass fields as keywords, e.g. "
+                         "model='qwen-7b', world_size=8.")
+    return dataclasses.replace(setting, **changes) if changes else setting
+
+
+def _model_names():
+    from .models import MODELS
+
+    return list(MODELS)

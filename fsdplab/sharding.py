@@ -1,0 +1,289 @@
+"""Build a model and apply parallelism to it, torchtitan style: small `apply_*` functions with plain keyword
+arguments, `parallelize` and `build_sharded` that call them in the order that matters, and the one
+`train_step` every training loop in the lab runs.
+
+FSDP here is FSDP2 (`fully_shard`), which runs on CPU ranks with gloo as well as on GPUs; the posts' FSDP1
+wrapper needs a GPU (see the lessons for the FSDP1 -> FSDP2 mapping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+from .dist import this_rank
+from .models import blocks_of, causal_lm, config_of, dtype_kwarg
+from .settings import OPTIMIZERS, RUNNABLE_STRATEGIES, TrainSetting, check_choice, torch_dtype
+
+ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+# --- the pieces ---------------------------------------------------------------------------------------------
+
+def mixed_precision_policy(precision: str = "fp32", reduce_precision: str | None = None):
+    """FSDP2 MixedPrecisionPolicy for 'fp32' (None: no casting), 'bf16' or 'fp16'; gradients are reduced in
+    `reduce_precision` (fp32 unless told otherwise: the safe choice with fp16 compute)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = torch_dtype(precision)
+    if precision == "fp32" and reduce_precision is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch_dtype(reduce_precision or "fp32"))
+
+
+def lora_target_modules(targets="all-linear"):
+    """peft's `target_modules` for 'all-linear' (every Linear in the blocks, not the LM head), 'attention'
+    (q/k/v/o projections) or an explicit list of module names."""
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return "all-linear"
+        if targets == "attention":
+            return list(ATTENTION_MODULES)
+        raise ValueError(f"lora targets must be 'all-linear', 'attention' or a list of module names such as "
+                         f"{ATTENTION_MODULES}, got {targets!r}.")
+    names = list(targets)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"lora targets as a list must hold module names such as {ATTENTION_MODULES}.")
+    return names
+
+
+def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, targets="all-linear",
+               dropout: float = 0.0, device="meta") -> nn.Module:
+    """Freeze the base and add peft LoRA adapters (created on `device`: on meta they take no memory)."""
+    from peft import LoraConfig, get_peft_model
+
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora rank must be a positive integer, got {rank!r}.")
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
+                        target_modules=lora_target_modules(targets), bias="none", task_type="CAUSAL_LM")
+    with torch.device(device), warnings.catch_warnings():
+        # peft asks transformers' deprecated is_gradient_checkpointing: a FutureWarning nobody asked for
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks=None) -> None:
+    """Recompute each block in backward instead of storing its activations (non-reentrant, as torch advises)."""
+    from ._torch_private import checkpoint_wrapper_fn
+
+    apply, wrapper = checkpoint_wrapper_fn()
+    targets = set(map(id, blocks if blocks is not None else blocks_of(model)))
+    apply(model, check_fn=lambda m: id(m) in targets, checkpoint_wrapper_fn=wrapper)
+
+
+def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, precision: str = "fp32",
+               reduce_precision: str | None = None, cpu_offload: bool = False, per_block: bool = True,
+               blocks=None) -> nn.Module:
+    """fully_shard each block (so only one is gathered at a time), then the root for what is left.
+
+    reshard_after_forward=True is FULL_SHARD (ZeRO-3); False is SHARD_GRAD_OP (ZeRO-2): parameters stay
+    gathered from forward to backward, saving the backward all-gather at the cost of memory. None is
+    fully_shard's own default: blocks reshard after forward, the root (resharded last anyway) does not. A 2-D
+    mesh (replicate, shard) is HSDP: sharded inside a node, replicated across nodes.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    policy = mixed_precision_policy(precision, reduce_precision)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if per_block:
+        for block in blocks if blocks is not None else blocks_of(model):
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, device=None, process_group=None) -> nn.Module:
+    """Classic DDP: every rank keeps everything; gradients are all-reduced in buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = torch.device(device or "cpu")
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   process_group=process_group)
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+    """Megatron-style tensor parallelism of each block's MLP (the tiny transformer's `mlp[0]`, `mlp[2]`): the
+    first Linear ColwiseParallel, the second RowwiseParallel, so the pair needs one all-reduce in forward and
+    one in backward over `tp_mesh`. Attention stays replicated (nn.MultiheadAttention's fused in-projection
+    does not split by ColwiseParallel)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in blocks_of(model):
+        parallelize_module(block.mlp, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+# --- the orchestrators --------------------------------------------------------------------------------------
+
+def parallelize(model: nn.Module, strategy: str = "full_shard", *, mesh=None, device=None, precision="fp32",
+                reduce_precision=None, activation_checkpointing: bool = False, cpu_offload: bool = False,
+                per_block: bool = True, blocks=None) -> nn.Module:
+    """The order matters: checkpointing wraps blocks before FSDP shards them, so each shard unit is a
+    checkpointed block; the root is sharded last. hybrid_shard needs a 2-D mesh (replicate, shard)."""
+    check_choice("strategy", strategy, RUNNABLE_STRATEGIES)
+    blocks = blocks if blocks is not None else blocks_of(model)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model, blocks)
+        blocks = blocks_of(model)   # the wrappers replaced the blocks in their ModuleList
+    if strategy == "ddp":
+        return apply_ddp(model, device)
+    if mesh is None:
+        from .dist import mesh as current_mesh
+
+        mesh = current_mesh()
+    if strategy == "hybrid_shard" and mesh.ndim != 2:
+        raise ValueError("hybrid_shard needs a 2-D mesh (replicate, shard), e.g. "
+                         "init_device_mesh(device, (nodes, gpus_per_node)).")
+    return apply_fsdp(model, mesh, reshard_after_forward=strategy != "shard_grad_op", precision=precision,
+                      reduce_precision=reduce_precision, cpu_offload=cpu_offload, per_block=per_block, blocks=blocks)
+
+
+def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=None, seed=None,
+                lora_dropout: float = 0.0, trust_remote_code: bool = False) -> nn.Module:
+    """The transformers causal LM of `setting.model` with its LoRA adapters and per-block activation
+    checkpointing, unsharded (on the meta device by default: shapes, no memory).
+
+    model_path: a local checkpoint directory; its weights are loaded when `device` is a real device (on meta,
+    `setting.model` gives the shapes). With `setting.lora_rank` the base is frozen and only the adapters train;
+    without it every parameter trains. dtype: storage dtype of the base ('fp32', 'bf16', 'fp16' or a torch
+    dtype; None is fp32); the adapters stay fp32 either way.
+    """
+    if isinstance(dtype, str):
+        dtype = torch_dtype(dtype)
+    if seed is not None:
+        torch.manual_seed(seed)
+    if model_path is not None and torch.device(device).type != "meta":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                     **dtype_kwarg(dtype)).to(device)
+    else:
+        model = causal_lm(config_of(setting.model), device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # no KV cache while training: it would only hold memory
+    if setting.lora_rank is not None:
+        model = apply_lora(model, setting.lora_rank, alpha=setting.lora_alpha, targets=setting.lora_targets,
+                           dropout=lora_dropout, device=device)
+    if setting.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model
+
+
+def _fix_nonpersistent_buffers(model: nn.Module, device) -> None:
+    """`to_empty` leaves buffers that no checkpoint stores (RoPE's inv_freq) as garbage: rebuild them."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buffer.to(device))
+
+
+def build_sharded(setting: TrainSetting, mesh=None, *, device=None, model_path=None, dtype=None, seed: int = 0,
+                  trust_remote_code: bool = False) -> nn.Module:
+    """The training model on every rank: meta build, LoRA + checkpointing, shard, `to_empty`, then the weights.
+
+    Only rank 0 holds a full copy (random init from `seed`, or the checkpoint at `model_path`, plus the fresh
+    adapters); every other rank receives just its shards by broadcast, so host memory stays one model, not N.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    check_choice("strategy", setting.strategy, ("shard_grad_op", "full_shard"))
+    if mesh is None:
+        from .dist import mesh as current_mesh
+
+        mesh = current_mesh()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    build = dict(dtype=dtype, model_path=model_path, trust_remote_code=trust_remote_code)
+    model = build_model(setting, device="meta", **build)
+    apply_fsdp(model, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
+               cpu_offload=setting.cpu_offload, per_block=setting.per_block)
+    model.to_empty(device="cpu" if setting.cpu_offload else device)
+    full = {}
+    if this_rank() == 0:
+        full = build_model(setting.replace(activation_checkpointing=False), device="cpu", seed=seed,
+                           **build).state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _fix_nonpersistent_buffers(model, device)
+    return model
+
+
+def build_tiny(cfg=None, seed: int = 0, device="cpu") -> nn.Module:
+    """The same TinyTransformer on every rank (same seed), on `device`."""
+    from .models import TinyConfig, TinyTransformer
+
+    torch.manual_seed(seed)
+    return TinyTransformer(cfg or TinyConfig()).to(device)
+
+
+# --- one training step --------------------------------------------------------------------------------------
+
+def make_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 1e-4, weight_decay: float = 0.0,
+                   momentum: float = 0.9, foreach: bool | None = True):
+    """The optimizer over the trainable parameters only (frozen base weights get no state). foreach=True, as
+    torch picks on GPUs: its temporaries are part of the peak the lab measures."""
+    check_choice("optimizer", name, OPTIMIZERS)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters: build it with lora_rank=... or unfreeze some.")
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=foreach)
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, weight_decay=weight_decay, foreach=foreach)
+
+
+def loss_of(model: nn.Module, batch) -> torch.Tensor:
+    """The lab's one loss: a dict batch is a transformers model's keywords (it computes its own loss from
+    `labels`); a (tokens, targets) pair is next-token cross-entropy on logits taken to fp32."""
+    if isinstance(batch, dict):
+        return model(**batch).loss
+    tokens, targets = batch
+    # Call the wrapper's forward (not model.module): DDP only synchronises gradients it saw a forward for.
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def train_step(model: nn.Module, optimizer, batch, *, loss_fn=None, scaler=None, counter=None,
+               after_backward=None) -> torch.Tensor:
+    """loss, backward, (unscale/skip through `scaler`, a GradScaler, for fp16), step, zero_grad.
+
+    loss_fn(model, batch) replaces `loss_of`; `after_backward()` runs between backward and the optimizer step
+    (memory snapshots, gradient checks); with a `comms.CommCounter` the optimizer's collectives are counted
+    in its "step" section. Returns the loss, detached (a fake tensor under the estimator: no `.item()` here).
+    """
+    loss = (loss_fn or loss_of)(model, batch)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if after_backward is not None:
+        after_backward()
+    with counter.section("step") if counter is not None else contextlib.nullcontext():
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def train(model, optimizer, steps: int, cfg, batch_size: int = 4, device="cpu", seed: int = 0,
+          log_every: int = 0) -> list:
+    """A plain training loop on the toy task; each rank gets its own slice of data. Returns the losses."""
+    from .models import random_batch
+
+    rank = this_rank()
+    losses = []
+    for step in range(steps):
+        batch = random_batch(cfg, batch_size, seed=seed + 1000 * step + rank, device=device)
+        losses.append(train_step(model, optimizer, batch).item())
+        if log_every and (step % log_every == 0 or step == steps - 1) and rank == 0:
+            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+    return losses
+
