@@ -71,7 +71,33 @@ def print_table(rows) -> None:
         print(f"{lesson:<{width}}  {status:<6}  {seconds:7.1f}  {detail}")
 
 
+def estimate_command(args) -> int:
+    """`fsdplab estimate`: print the per-category table (or one JSON object) and whether it fits."""
+    import json
+
+    from .memory import estimate
+    from .settings import TrainSetting
+
+    setting = TrainSetting(model=args.model, world_size=args.world_size, lora_rank=args.lora_rank,
+                           seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
+                           optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+                           strategy="full_shard" if args.reshard_after_forward else "shard_grad_op",
+                           cpu_offload=args.cpu_offload)
+    report = estimate(setting, progress=not args.json)
+    if args.json:
+        data = report.to_dict()
+        data.update(gpu_mem_gib=args.gpu_mem_gib, fits=report.fits(args.gpu_mem_gib))
+        print(json.dumps(data))
+    else:
+        print(report.table(gpu_mem_gib=args.gpu_mem_gib))
+        print(f"  ({report.seconds:.1f} s on fake tensors)")
+    return 0
+
+
 def main(argv=None) -> int:
+    from .models import MODELS
+    from .settings import OPTIMIZERS, PRECISIONS
+
     parser = argparse.ArgumentParser(prog="fsdplab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -84,13 +110,14 @@ def main(argv=None) -> int:
     run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
 
     est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)")
-    est.add_argument("--model", default="qwen-7b", choices=["qwen-7b", "qwen2-7b", "llama2-7b", "tiny"])
+    est.add_argument("--model", default="qwen-7b", choices=list(MODELS))
     est.add_argument("--world-size", type=int, default=8)
     est.add_argument("--gpu-mem-gib", type=float, default=24.0)
     est.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tune)")
     est.add_argument("--seq-len", type=int, default=2048)
     est.add_argument("--batch-size", type=int, default=1)
-    est.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    est.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    est.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     est.add_argument("--activation-checkpointing", action="store_true")
     est.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
     est.add_argument("--cpu-offload", action="store_true")
@@ -107,8 +134,6 @@ def main(argv=None) -> int:
             if failed:
                 print(f"\n{len(failed)} lesson(s) failed; the executed notebooks in {args.out}/ show where.")
             return 1 if failed else 0
-        from .memory import estimate_command
-
         return estimate_command(args)
     except ValueError as e:
         print(f"fsdplab: {e}", file=sys.stderr)

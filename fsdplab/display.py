@@ -1,0 +1,227 @@
+"""Everything the lab draws that more than one lesson shares: colours, the stacked memory bars, the heat
+map, the figure files, and the `Dashboard` (ipywidgets controls that redraw a matplotlib figure) with the
+memory dashboards built on it.
+
+`Dashboard` works without a browser: `dashboard.set(...)` changes controls from code (tests and papermill
+runs do this) and `dashboard.figure` is the figure drawn for the current values, so what a reader sees can be
+checked. Figures that belong to one topic only (a timeline, loss curves) live with that topic's module.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+from pathlib import Path
+
+from ._torch_private import CATEGORIES
+from .memory import CATEGORY_LABELS
+from .settings import GIB
+
+COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
+          "activations": "#c44e52", "communication_buffers": "#8172b3", "other": "#937860"}
+FIGURE_DIR = Path(os.environ.get("FSDPLAB_FIGURES", Path(__file__).resolve().parent.parent / "docs" / "figures"))
+
+
+def save_figure(fig, name: str, dpi: int = 110) -> Path:
+    """Save `fig` as NAME.png in FSDPLAB_FIGURES (default docs/figures: the README's pictures)."""
+    folder = Path(os.environ.get("FSDPLAB_FIGURES", FIGURE_DIR))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    return path
+
+
+# --- memory bars ---------------------------------------------------------------------------------------------
+
+def draw_stacked(ax, labels, reports, gpu_mem_gib=None, highlight=None, extras=None, extra_label=None,
+                 unit=GIB, unit_name="GiB"):
+    """Stacked bars of each report's six categories (in `unit`), with an optional GPU-size line, an outlined
+    `highlight` bar, and `extras[i]` bytes stacked on top (hatched, labelled `extra_label`). Returns the
+    bar heights."""
+    bottoms = [0.0] * len(reports)
+    for name in CATEGORIES:
+        values = [r.by_category.get(name, 0) / unit for r in reports]
+        ax.bar(labels, values, bottom=bottoms, color=COLORS[name], label=CATEGORY_LABELS[name])
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if extras:
+        values = [(e or 0) / unit for e in extras]
+        ax.bar(labels, values, bottom=bottoms, color="#bbbbbb", hatch="xx", edgecolor="#555555", label=extra_label)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if highlight is not None:
+        ax.bar([labels[highlight]], [bottoms[highlight]], fill=False, edgecolor="black", linewidth=2)
+    if gpu_mem_gib:
+        # Keep the GPU line readable: bars far above it are clipped and labelled with their height.
+        top = max(2.5 * gpu_mem_gib, 1.15 * (bottoms[highlight] if highlight is not None else 0))
+        if max(bottoms) > top:
+            ax.set_ylim(0, top)
+            for x, height in zip(labels, bottoms):
+                if height > top:
+                    ax.text(x, top * 0.97, f"{height:.0f}", ha="center", va="top", fontsize=8, color="white",
+                            fontweight="bold")
+        ax.axhline(gpu_mem_gib, color="black", linestyle="--", linewidth=1)
+        ax.text(len(labels) - 0.5, gpu_mem_gib, f" {gpu_mem_gib:g} GiB GPU", va="bottom", ha="right", fontsize=8)
+    ax.set_ylabel(f"memory per GPU ({unit_name})")
+    return bottoms
+
+
+def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24.0):
+    """Colour: the formula's peak per GPU (GiB); a cell with an exact estimate shows it in bold with a star.
+    Cells over `gpu_gib` are hatched (does not fit)."""
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
+
+    grid = np.array(grid_gib, dtype=float)
+    norm = TwoSlopeNorm(vmin=min(grid.min(), gpu_gib - 1), vcenter=gpu_gib, vmax=max(grid.max(), gpu_gib + 1))
+    image = ax.imshow(grid, cmap="RdYlGn_r", norm=norm, origin="lower", aspect="auto")
+    for i, b in enumerate(batch_sizes):
+        for j, s in enumerate(seq_lens):
+            found = (exact_gib or {}).get((s, b))
+            text = f"{grid[i, j]:.1f}" + (f"\n★{found:.1f}" if found is not None else "")
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    fontweight="bold" if found is not None else "normal")
+            if grid[i, j] > gpu_gib:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="black",
+                                       linewidth=0))
+    ax.set_xticks(range(len(seq_lens)), [str(s) for s in seq_lens])
+    ax.set_yticks(range(len(batch_sizes)), [str(b) for b in batch_sizes])
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("micro-batch per GPU (sequences)")
+    return image
+
+
+def exact_marker(ax, x, gib, label="exact (estimate)"):
+    """The gold star that marks an exact estimate on a formula bar."""
+    ax.plot([x], [gib], marker="*", markersize=16, color="gold", markeredgecolor="black", linestyle="none",
+            label=label)
+
+
+# --- dashboards ----------------------------------------------------------------------------------------------
+
+class Dashboard:
+    """`controls`: name -> ipywidgets control; `draw(fig, **values)` draws into a cleared figure.
+
+    The figure reaches the page as PNG bytes in an `ipywidgets.Image`, not through an `Output` widget:
+    an Output widget captures messages from whichever cell runs next, which papermill's client mimics
+    imperfectly (executions were seen to stall); an Image is plain widget state.
+    """
+
+    def __init__(self, controls: dict, draw, title: str = "", figsize=(8, 4), dpi: int = 90):
+        import ipywidgets as W
+        import matplotlib.pyplot as plt
+
+        self.controls, self.draw, self.title, self.dpi = controls, draw, title, dpi
+        self.figure = plt.figure(figsize=figsize)
+        # Closed figures stay drawable but are no longer shown by the inline backend at the end of the
+        # cell: the dashboard shows its figure once, in its own image.
+        plt.close(self.figure)
+        self.image = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.status = W.HTML()
+        self.widget = W.VBox([W.HTML(f"<b>{title}</b>") if title else W.HTML(""),
+                              W.HBox(list(controls.values()), layout=W.Layout(flex_flow="row wrap")),
+                              self.image, self.status])
+        for control in controls.values():
+            control.observe(lambda _change: self.refresh(), names="value")
+        self.refresh()
+
+    @property
+    def values(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def refresh(self):
+        self.figure.clear()
+        self.result = self.draw(self.figure, **self.values)
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png", dpi=self.dpi, bbox_inches="tight")
+        self.image.value = buffer.getvalue()
+        return self.result
+
+    def say(self, text: str) -> None:
+        """Show `text` (monospace) under the figure, replacing what was there."""
+        self.status.value = f"<pre style='font-size: 11px'>{html.escape(text)}</pre>" if text else ""
+
+    def set(self, **values):
+        """Change controls as a reader would; the figure redraws once per change."""
+        for name, value in values.items():
+            if name not in self.controls:
+                raise ValueError(f"no control {name!r}; this dashboard has {list(self.controls)}.")
+            self.controls[name].value = value
+        return self.result
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", precision="bf16", optimizer="adamw",
+                     activation_checkpointing=False, lora_rank=0, seq_len=2048, gpu_mem_gib=24):
+    """Controls -> per-GPU memory of every strategy from `formula`, the chosen one outlined, against a GPU-size
+    line. The "exact" button runs `estimate` (FSDP strategies) for the current setting and marks it."""
+    import ipywidgets as W
+
+    from .formula import formula
+    from .memory import estimate
+    from .models import MODELS
+    from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS, STRATEGIES, TrainSetting
+
+    controls = {
+        "model": W.Dropdown(options=list(MODELS), value=model, description="model"),
+        "world_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=world_size, description="GPUs"),
+        "strategy": W.Dropdown(options=STRATEGIES, value=strategy, description="strategy"),
+        "precision": W.Dropdown(options=PRECISIONS, value=precision, description="precision"),
+        "optimizer": W.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer"),
+        "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing"),
+        "lora_rank": W.SelectionSlider(options=[0, 8, 16, 64, 128], value=lora_rank, description="LoRA r (0: full)"),
+        "seq_len": W.SelectionSlider(options=[64, 128, 256, 512, 1024, 2048, 4096, 8192], value=seq_len,
+                                     description="seq len"),
+        "gpu_mem_gib": W.SelectionSlider(options=[16, 24, 40, 48, 80, 141], value=gpu_mem_gib, description="GPU GiB"),
+    }
+    exact: dict = {}
+
+    def setting_of(v) -> TrainSetting:
+        return TrainSetting(model=v["model"], world_size=v["world_size"], strategy=v["strategy"],
+                            precision=v["precision"], optimizer=v["optimizer"],
+                            activation_checkpointing=v["activation_checkpointing"], lora_rank=v["lora_rank"] or None,
+                            seq_len=v["seq_len"])
+
+    def draw(fig, gpu_mem_gib, **v):
+        chosen = setting_of(v)
+        reports = [formula(chosen, strategy=s) for s in STRATEGIES]
+        ax = fig.add_subplot(1, 1, 1)
+        index = STRATEGIES.index(chosen.strategy)
+        draw_stacked(ax, list(STRATEGIES), reports, gpu_mem_gib, highlight=index)
+        found = exact.get(chosen)
+        if found is not None:
+            exact_marker(ax, index, found.peak_bytes / GIB)
+        lora = f"LoRA r={chosen.lora_rank}" if chosen.lora_rank else "full fine-tune"
+        ax.set_title(f"{chosen.model}, {chosen.world_size} GPUs, {lora}, {chosen.precision}, {chosen.optimizer}, "
+                     f"seq {chosen.seq_len}" + (", checkpointing" if chosen.activation_checkpointing else ""),
+                     fontsize=10)
+        ax.set_xlabel("strategy (formula; outlined: selected)")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.tight_layout()
+        return {"reports": dict(zip(STRATEGIES, reports)), "selected": reports[index], "exact": found}
+
+    dash = Dashboard(controls, draw, title="Per-GPU memory by strategy (formula)", figsize=(9, 4.2))
+    button = W.Button(description="exact estimate", tooltip="run fsdplab.memory.estimate for this setting")
+
+    def run_exact(_button=None):
+        chosen = setting_of(dash.values)
+        if chosen.strategy not in EXACT_STRATEGIES:
+            dash.say(f"exact estimates cover FSDP2 ({', '.join(EXACT_STRATEGIES)}), not {chosen.strategy}.")
+            return None
+        dash.say("running fsdplab.memory.estimate ...")
+        report = estimate(chosen)
+        dash.say(report.table(gpu_mem_gib=dash.values["gpu_mem_gib"]))
+        exact[chosen] = report
+        dash.refresh()
+        return report
+
+    button.on_click(run_exact)
+    dash.exact = run_exact
+    dash.exact_button = button
+    dash.widget = W.VBox([dash.widget, button])
+    return dash

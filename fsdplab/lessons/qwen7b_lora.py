@@ -1,0 +1,176 @@
+"""Lesson 06 (Qwen-7B LoRA on 8 x A10) only: the posts' setting, what FSDP1 adds on top of FSDP2 for a LoRA
+model, exact estimates of a grid of settings, and the lesson's dashboard.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..settings import GIB, TrainSetting, check_choice, PRECISIONS
+
+# The posts' setup: Qwen-7B, LoRA r=64 on every linear layer, FULL_SHARD, fp16, activation checkpointing.
+# Sequence length and micro-batch are not stated in the posts; 2048 x 1 is the common default.
+POSTS_SETTING = TrainSetting(model="qwen-7b", world_size=8, strategy="full_shard", precision="fp16", lora_rank=64,
+                             lora_alpha=128, lora_targets="all-linear", seq_len=2048, batch_size=1,
+                             activation_checkpointing=True)
+POSTS_BAND_GIB = (17.0, 19.0)   # "17-19 GB per card", read as nvidia-smi's GiB
+
+
+def setting(**changes) -> TrainSetting:
+    """The posts' setting with some fields changed (TypeError names a field that does not exist)."""
+    return POSTS_SETTING.replace(**changes)
+
+
+def exact(settings: list, workers: int = 2, progress: bool = False) -> list:
+    """`fsdplab.memory.estimate` for each setting, `workers` at a time (each in its own process: one fake
+    process group per process). Returns the reports in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..memory import estimate
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(lambda s: estimate(s, progress=progress, subprocess_mode=True), settings))
+
+
+def formula_grid(seq_lens, batch_sizes, base: TrainSetting = POSTS_SETTING) -> list:
+    """Peak GiB from the formula: rows = micro-batch sizes, columns = sequence lengths."""
+    from ..formula import formula
+
+    return [[formula(base, seq_len=s, batch_size=b).peak_bytes / GIB for s in seq_lens] for b in batch_sizes]
+
+
+def draw_breakdown(ax, labels, reports, extras=None, gpu_gib=24.0, band=POSTS_BAND_GIB):
+    """Stacked bars (GiB) of each report's categories with FSDP1's frozen-weight gradients on top, the posts'
+    band and the card's size as horizontal lines."""
+    from ..display import draw_stacked
+
+    bottoms = draw_stacked(ax, labels, reports, extras=extras, extra_label="FSDP1: gradients of frozen weights")
+    if band:
+        ax.axhspan(*band, color="gold", alpha=0.3, label=f"posts: {band[0]:g}-{band[1]:g} GB per card")
+    if gpu_gib:
+        ax.axhline(gpu_gib, color="black", linestyle="--", linewidth=1, label=f"A10: {gpu_gib:g} GiB")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    return bottoms
+
+
+# --- what FSDP1 (the posts' API) adds ----------------------------------------------------------------------
+
+_UNIT_SIZES: dict = {}
+
+
+def _unit_sizes(setting: TrainSetting) -> list:
+    """(frozen, trainable) element counts of each decoder layer, from a meta build (cached for named models)."""
+    from ..models import blocks_of
+    from ..sharding import build_model
+
+    key = (setting.model, setting.lora_rank, setting.lora_targets) if isinstance(setting.model, str) else None
+    if key in _UNIT_SIZES:
+        return _UNIT_SIZES[key]
+    model = build_model(setting.replace(activation_checkpointing=False), device="meta")
+    units = [(sum(p.numel() for p in layer.parameters() if not p.requires_grad),
+              sum(p.numel() for p in layer.parameters() if p.requires_grad)) for layer in blocks_of(model)]
+    if key is not None:
+        _UNIT_SIZES[key] = units
+    return units
+
+
+def fsdp1_frozen_gradients(setting: TrainSetting = POSTS_SETTING, *, model_dtype="fp32",
+                           reduce_precision="fp32") -> dict:
+    """Gradient bytes per rank that FSDP1 (`FullyShardedDataParallel(use_orig_params=True)`, one unit per
+    decoder layer, as the posts wrap) holds on top of FSDP2 for the LoRA model of `setting`.
+
+    FSDP1 flattens each unit into one FlatParameter. peft puts the frozen base weights and the trainable
+    adapters of a layer in the same unit, so the FlatParameter requires grad, and FSDP1 allocates its gradient
+    for the whole flat tensor: "gradient memory usage ... equivalent to not freezing those parameters"
+    (FSDP docs). FSDP2 shards each parameter separately and gives frozen ones no gradient at all.
+
+    - persistent: the sharded gradient of every frozen weight that shares a unit with an adapter,
+      kept between backward and the optimizer step in the FlatParameter's dtype (`model_dtype`: fp32 when the
+      model is loaded in fp32 and cast by MixedPrecision, fp16 when loaded with torch_dtype=fp16);
+    - transient: the unsharded gradient of one unit's frozen weights in the compute dtype during its backward,
+      plus its cast to `reduce_precision` for the reduce-scatter.
+    The root unit (embeddings, final norm, LM head) holds no adapter, so its FlatParameter is frozen.
+    """
+    from ..settings import torch_dtype
+
+    for name, value in (("model_dtype", model_dtype), ("reduce_precision", reduce_precision)):
+        check_choice(name, value, PRECISIONS)
+    if setting.lora_rank is None:
+        raise ValueError("fsdp1_frozen_gradients is about LoRA: pass a setting with lora_rank set.")
+    nbytes = lambda name: torch_dtype(name).itemsize  # noqa: E731
+    world_size, precision = setting.world_size, setting.precision
+    units = _unit_sizes(setting)
+    frozen_in_mixed = [f for f, t in units if t > 0]
+    persistent = sum(math.ceil((f + t) / world_size) - math.ceil(t / world_size)
+                     for f, t in units if t > 0) * nbytes(model_dtype)
+    largest = max(frozen_in_mixed, default=0)
+    transient = largest * (nbytes(precision) + (nbytes(reduce_precision) if reduce_precision != precision else 0))
+    return {"persistent_bytes": int(persistent), "transient_bytes": int(transient),
+            "extra_peak_bytes": int(persistent + transient), "mixed_units": len(frozen_in_mixed),
+            "frozen_params_with_gradients": int(sum(frozen_in_mixed)), "world_size": world_size,
+            "model_dtype": model_dtype, "precision": precision}
+
+
+# --- the dashboard ---------------------------------------------------------------------------------------------
+
+def lora_dashboard(gpu_gib: float = 24.0, **start):
+    """Knobs of the posts' setup -> per-GPU breakdown (formula, instant) and "fits / does not fit" on an
+    A10; the button runs the exact estimate for the current knobs (10-60 s) and marks it on the bar."""
+    import ipywidgets as W
+
+    from ..display import Dashboard, exact_marker
+    from ..formula import formula
+
+    s = setting(**start)
+    controls = {
+        "seq_len": W.Dropdown(options=[512, 1024, 2048, 4096, 8192], value=s.seq_len, description="seq len"),
+        "batch_size": W.Dropdown(options=[1, 2, 4, 8], value=s.batch_size, description="micro-batch"),
+        "activation_checkpointing": W.Checkbox(value=s.activation_checkpointing, description="checkpointing"),
+        "strategy": W.Dropdown(options=[("FULL_SHARD", "full_shard"), ("SHARD_GRAD_OP", "shard_grad_op")],
+                               value=s.strategy, description="strategy"),
+        "precision": W.Dropdown(options=["fp16", "bf16"], value=s.precision, description="precision"),
+        "lora_rank": W.Dropdown(options=[8, 16, 32, 64, 128], value=s.lora_rank, description="LoRA r"),
+        "lora_targets": W.Dropdown(options=["all-linear", "attention"], value=s.lora_targets, description="targets"),
+        "api": W.Dropdown(options=["FSDP2", "FSDP1 use_orig_params"], value="FSDP2", description="API"),
+    }
+    found: dict = {}
+
+    def knobs_to_setting(v) -> TrainSetting:
+        return setting(seq_len=v["seq_len"], batch_size=v["batch_size"], precision=v["precision"],
+                       activation_checkpointing=v["activation_checkpointing"], lora_rank=v["lora_rank"],
+                       lora_alpha=2 * v["lora_rank"], lora_targets=v["lora_targets"], strategy=v["strategy"])
+
+    def draw(fig, api, **v):
+        chosen = knobs_to_setting(v)
+        report = formula(chosen)
+        extra = fsdp1_frozen_gradients(chosen)["extra_peak_bytes"] if api != "FSDP2" else 0
+        total = (report.peak_bytes + extra) / GIB
+        fits = total <= gpu_gib
+        ax = fig.add_subplot(1, 1, 1)
+        draw_breakdown(ax, ["formula"], [report], [extra], gpu_gib=gpu_gib)
+        if chosen in found:
+            exact_marker(ax, 0, (found[chosen].peak_bytes + extra) / GIB, label="exact estimate")
+        ax.set_ylim(0, max(gpu_gib * 1.15, total * 1.1))
+        ax.set_title(f"Qwen-7B LoRA on 8 x A10: {total:.1f} GiB per GPU -> "
+                     + ("fits" if fits else "does NOT fit"), fontsize=10)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.tight_layout()
+        return {"setting": chosen, "report": report, "fsdp1_extra_bytes": extra, "total_gib": total, "fits": fits,
+                "exact": found.get(chosen)}
+
+    dash = Dashboard(controls, draw, title="Qwen-7B LoRA per-GPU memory (formula; button: exact)", figsize=(7, 4))
+    button = W.Button(description="exact estimate")
+
+    def run_exact(_button=None):
+        chosen = knobs_to_setting(dash.values)
+        dash.say("running fsdplab.memory.estimate (tens of seconds) ...")
+        [report] = exact([chosen], workers=1)
+        found[chosen] = report
+        result = dash.refresh()
+        dash.say(report.table(gpu_mem_gib=gpu_gib))
+        return result
+
+    button.on_click(run_exact)
+    dash.exact = run_exact
+    dash.widget = W.VBox([dash.widget, button])
+    return dash
