@@ -42,7 +42,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._torch_private import (fsdp_param_group, fsdp_unit_name, graph_task_id, resolve_process_group,
+                             torch_dispatch_mode)
 
 GB = 1e9  # network bandwidths are quoted in decimal gigabytes
 
@@ -111,7 +113,6 @@ def _nbytes(value) -> int:
 def _group_of(args, kwargs):
     """The ProcessGroup a collective runs on (c10d ops pass a boxed group, functional ops its name)."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
 
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.ScriptObject):
@@ -122,11 +123,8 @@ def _group_of(args, kwargs):
         if isinstance(value, dist.ProcessGroup):
             return value
     for value in list(args) + list(kwargs.values()):
-        if isinstance(value, str):
-            try:
-                return _resolve_process_group(value)
-            except Exception:
-                continue
+        if isinstance(value, str) and (group := resolve_process_group(value)) is not None:
+            return group
     return None
 
 
@@ -135,7 +133,7 @@ def _group_of(args, kwargs):
 _LOCAL = threading.local()  # the FSDP unit whose unshard / post_backward is running right now
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(torch_dispatch_mode()):
     def __init__(self, counter):
         super().__init__()
         self.counter = counter
@@ -152,7 +150,7 @@ class _Mode(TorchDispatchMode):
         namespace = getattr(func, "namespace", "")
         if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             table = _C10D if namespace == "c10d" else _FUNCTIONAL
-            name = func._overloadpacket.__name__
+            name = func.overloadpacket.__name__
             if name in table:
                 self.counter._record(name, table[name], args, kwargs)
         return out
@@ -226,7 +224,7 @@ class CommCounter:
     def _phase(self) -> str:
         if self._section is not None:
             return self._section
-        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return "backward" if graph_task_id() != -1 else "forward"
 
     def _record(self, op: str, spec, args, kwargs):
         kind, where, times_group = spec
@@ -254,16 +252,15 @@ class CommCounter:
 
     def _patch_fsdp(self):
         """Label FSDP2 collectives with their unit: the all-gather is launched inside `unshard`, the
-        reduce-scatter (and HSDP's all-reduce) inside `post_backward`; log `reshard` to count live units."""
-        try:
-            from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-        except ImportError:  # torch without FSDP2 at that path: collectives are still counted, unlabelled
-            return
+        reduce-scatter (and HSDP's all-reduce) inside `post_backward`; log `reshard` to count live units.
+        A torch that moved or renamed these raises PrivateAPIError: unlabelled counts would break the lessons
+        quietly. (Count without FSDP2 labels with `fsdp_labels=False`.)"""
+        param_group = fsdp_param_group()
         counter = self
 
         def labelled(original, log_reshard=False):
             def wrapper(group, *args, **kwargs):
-                unit = group._module_fqn or "root"
+                unit = fsdp_unit_name(group)
                 was_unsharded = getattr(group, "is_unsharded", None)
                 previous, _LOCAL.unit = getattr(_LOCAL, "unit", None), unit
                 try:
@@ -276,11 +273,9 @@ class CommCounter:
             return wrapper
 
         for name, log in (("unshard", False), ("post_backward", False), ("reshard", True)):
-            original = getattr(FSDPParamGroup, name, None)
-            if original is None:
-                continue
-            self._patches.append((FSDPParamGroup, name, original))
-            setattr(FSDPParamGroup, name, labelled(original, log))
+            original = getattr(param_group, name)  # the shim checked that all three exist
+            self._patches.append((param_group, name, original))
+            setattr(param_group, name, labelled(original, log))
 
 
 def live_units(events: list) -> list:
@@ -360,17 +355,13 @@ def make_mesh(shape=None, names=None):
     return init_device_mesh(device().type, tuple(shape), mesh_dim_names=tuple(names) if names else None)
 
 
-def _train_step(model, optimizer, cfg, batch_size, seed, counter=None) -> float:
-    """One step on the toy task; the optimizer step runs in the counter's "step" section (when counting)."""
+def _toy_step(model, optimizer, cfg, batch_size, seed, counter=None, device="cpu") -> float:
+    """One `sharding.train_step` on a toy-task batch; with a counter the optimizer step is its "step" section."""
     from .models import random_batch
+    from .sharding import train_step
 
-    tokens, targets = random_batch(cfg, batch_size, seed=seed)
-    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-    loss.backward()
-    with counter.section("step") if counter else contextlib.nullcontext():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    batch = random_batch(cfg, batch_size, seed=seed, device=device)
+    return train_step(model, optimizer, batch, counter=counter).item()
 
 
 def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2, seed: int = 0,
@@ -381,8 +372,9 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` to the next k blocks.
     Returns plain data: the event log, the parameter count of the blocks and of the rest (the root unit),
     and the bytes of one fp32 copy of all parameters."""
-    from .models import TinyConfig
-    from .parallel import blocks_of, build_tiny, parallelize
+    from .dist import this_rank
+    from .models import TinyConfig, blocks_of
+    from .sharding import build_tiny, parallelize
 
     cfg = cfg or TinyConfig()
     if isinstance(mesh, tuple):  # (shape, names): build it here, on the rank
@@ -395,10 +387,10 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     if explicit_prefetch and strategy in ("full_shard", "shard_grad_op"):
         set_explicit_prefetch(model, explicit_prefetch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    rank = torch.distributed.get_rank()
+    rank = this_rank()
 
     def step(counter=None):
-        return _train_step(model, optimizer, cfg, batch_size, seed + rank, counter)
+        return _toy_step(model, optimizer, cfg, batch_size, seed + rank, counter)
 
     for _ in range(warmup_steps):
         step()
@@ -438,7 +430,7 @@ def add_compute_markers(counter: CommCounter, modules: dict) -> list:
 def set_explicit_prefetch(model, depth: int = 1) -> None:
     """FSDP2 explicit prefetch: each block asks for the next `depth` blocks' all-gathers in forward, and for
     the previous `depth` blocks' in backward (the FSDP1 BACKWARD_PRE / forward_prefetch analogue)."""
-    from .parallel import blocks_of
+    from .models import blocks_of
 
     if depth < 1:
         raise ValueError("depth is how many blocks to prefetch ahead: use 1 or more (0 means: don't call this).")
@@ -553,31 +545,24 @@ def hsdp_comm_time(param_bytes: float, num_nodes: int, gpus_per_node: int, intra
 def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: int = 0) -> dict:
     """On a rank: tensor parallelism inside a "node" + FSDP across nodes, on a 2-D mesh ("dp", "tp").
 
-    Each block's MLP is split Megatron-style (first Linear ColwiseParallel, second RowwiseParallel, so the
-    pair needs one all-reduce in forward and one in backward over "tp"); then every block and the root are
-    `fully_shard`-ed over "dp". Attention stays replicated over "tp" (nn.MultiheadAttention has a fused
-    in-projection that does not split by ColwiseParallel). Counts one step after a warm-up; also returns
-    the loss, so it can be compared with the same model trained on one process."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from .models import TinyConfig
-    from .parallel import blocks_of, build_tiny
+    Each block's MLP is split Megatron-style by `sharding.apply_tp` (one all-reduce in forward and one in
+    backward over "tp"; attention stays replicated); then `sharding.apply_fsdp` shards every block and the
+    root over "dp". Counts one step after a warm-up; also returns the losses, so they can be compared with
+    the same model trained in one process (`reference_losses`)."""
+    from .models import TinyConfig, blocks_of
+    from .sharding import apply_fsdp, apply_tp, build_tiny
 
     cfg = cfg or TinyConfig()
     mesh2d = make_mesh(mesh_shape, ("dp", "tp"))
-    model = build_tiny(cfg, seed=seed)
-    for block in blocks_of(model):
-        parallelize_module(block.mlp, mesh2d["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    for block in blocks_of(model):
-        fully_shard(block, mesh=mesh2d["dp"])
-    fully_shard(model, mesh=mesh2d["dp"])
+    model = apply_tp(build_tiny(cfg, seed=seed), mesh2d["tp"])
+    # None is fully_shard's default: blocks reshard after forward, the root (needed first in backward) does not
+    apply_fsdp(model, mesh2d["dp"], reshard_after_forward=None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     # one batch per data-parallel group: the two TP ranks of a node must see the same tokens
     dp_rank = mesh2d.get_local_rank("dp")
 
     def step(counter=None):
-        return _train_step(model, optimizer, cfg, batch_size, seed + dp_rank, counter)
+        return _toy_step(model, optimizer, cfg, batch_size, seed + dp_rank, counter)
 
     first_loss = step()
     with CommCounter(mesh=mesh2d) as counter:
@@ -590,21 +575,24 @@ def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: i
 
 def reference_losses(cfg=None, world_size_dp: int = 2, batch_size: int = 2, seed: int = 0, steps: int = 2) -> list:
     """The losses `count_tp_fsdp_step` should see, computed in one process: the same model, each step on
-    the concatenation of the dp groups' batches (what data parallelism averages over), plain SGD."""
+    the concatenation of the dp groups' batches (what data parallelism averages over), plain SGD.
+    Returns, per step, each dp group's loss."""
     from .models import TinyConfig, random_batch
-    from .parallel import build_tiny
+    from .sharding import build_tiny, loss_of, train_step
 
     cfg = cfg or TinyConfig()
     model = build_tiny(cfg, seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [random_batch(cfg, batch_size, seed=seed + r) for r in range(world_size_dp)]
+    per_group = []
+
+    def mean_over_groups(model, batches):  # keeps each group's loss for the comparison
+        per_group[:] = [loss_of(model, batch) for batch in batches]
+        return sum(per_group) / len(batches)
+
     losses = []
     for _ in range(steps):
-        batches = [random_batch(cfg, batch_size, seed=seed + r) for r in range(world_size_dp)]
-        per_group = [torch.nn.functional.cross_entropy(model(t).flatten(0, 1), y.flatten()) for t, y in batches]
-        loss = sum(per_group) / world_size_dp
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, batches, loss_fn=mean_over_groups)
         losses.append([x.item() for x in per_group])
     return losses
 
@@ -618,8 +606,9 @@ def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_p
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from .models import Block, TinyConfig, random_batch
-    from .parallel import build_tiny
+    from .dist import this_rank
+    from .models import Block, TinyConfig
+    from .sharding import build_tiny
 
     if not torch.cuda.is_available():
         raise ValueError("FSDP1 (FullyShardedDataParallel) needs a GPU per rank; on CPU use FSDP2 (fully_shard).")
@@ -633,14 +622,10 @@ def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_p
         backward_prefetch=getattr(BackwardPrefetch, backward_prefetch) if backward_prefetch else None,
         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    rank = torch.distributed.get_rank()
+    rank = this_rank()
 
     def step(counter=None):
-        tokens, targets = random_batch(cfg, batch_size, seed=seed + rank, device=device)
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return _toy_step(model, optimizer, cfg, batch_size, seed + rank, counter, device=device)
 
     step()
     torch.cuda.synchronize()

@@ -29,7 +29,9 @@ import contextlib
 import os
 import re
 
+from ._torch_private import profiler_trace_start_ns
 from .comms import _C10D, collective_time, get_link
+from .dist import this_rank
 
 _FSDP_LABEL = re.compile(r"^FSDP::(all_gather|post_backward_reduce)(?: \((.*)\))?$")
 _COMM_NAME = re.compile(r"^(gloo|nccl|mpi|ucc):(\w+)|nccl(?:Dev)?Kernel_(\w+)", re.IGNORECASE)
@@ -117,8 +119,8 @@ def trace_step(step_fn, modules: dict | None = None, warmup: int = 1) -> dict:
     finally:
         for h in handles:
             h.remove()
-    start_ns = prof.profiler.kineto_results.trace_start_ns()
-    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "device": "cuda" if on_gpu else "cpu",
+    start_ns = profiler_trace_start_ns(prof)
+    return {"rank": this_rank(), "device": "cuda" if on_gpu else "cpu",
             "start_ns": int(start_ns), "events": _classify(prof.events(), on_gpu)}
 
 

@@ -2,7 +2,6 @@
 
 import pytest
 
-import fsdplab
 from fsdplab import comms
 from fsdplab.models import TinyConfig
 
@@ -66,13 +65,7 @@ def test_live_units_ignores_noop_reshards():
     assert comms.peak_live_units(log, "forward") == 2
 
 
-# --- counting on real ranks ------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def cluster():
-    with fsdplab.Cluster(2, quiet=True) as c:
-        yield c
-
+# --- counting on real ranks (the session `cluster` from conftest.py) --------------------------------
 
 def _collectives(out):
     return [e for e in out["events"] if e["event"] == "collective"]

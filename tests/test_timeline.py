@@ -47,29 +47,23 @@ def test_draw_simulation_has_labelled_axes():
 
 
 @pytest.fixture(scope="module")
-def traces():
-    with fsdplab.Cluster(2, quiet=True) as cluster:
-        yield cluster.run(_traced_step, quiet=True)
+def traces(cluster):
+    return cluster.run(_traced_step, quiet=True)
 
 
 def _traced_step():
     import torch
 
-    from fsdplab.models import random_batch
-    from fsdplab.parallel import blocks_of, build_tiny, parallelize
+    from fsdplab.models import blocks_of, random_batch
+    from fsdplab.sharding import build_tiny, parallelize, train_step
 
     model = build_tiny(CFG)
     blocks = blocks_of(model)
     model = parallelize(model, "full_shard")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    tokens, targets = random_batch(CFG, 2, seed=fsdplab.rank())
-
-    def step():
-        torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return timeline.trace_step(step, {f"layers.{i}": b for i, b in enumerate(blocks)})
+    batch = random_batch(CFG, 2, seed=fsdplab.rank())
+    return timeline.trace_step(lambda: train_step(model, opt, batch),
+                               {f"layers.{i}": b for i, b in enumerate(blocks)})
 
 
 def test_trace_compute_rows_in_layer_order(traces):
