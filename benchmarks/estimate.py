@@ -27,7 +27,7 @@ import json, resource, sys, time
 from fsdplab.memory import estimate
 kwargs = json.loads(sys.argv[1])
 t0 = time.perf_counter()
-report = estimate(kwargs.pop("model"), kwargs.pop("world_size"), progress=False, subprocess_mode=False, **kwargs)
+report = estimate(progress=False, subprocess_mode=False, **kwargs)
 print(json.dumps({"seconds": time.perf_counter() - t0,
                   "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "peak_bytes": report.peak_bytes, "by_category": report.by_category}))
@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model only")
     args = parser.parse_args(argv)
-    gib = 1024 ** 3
+    from fsdplab.settings import GIB as gib
+
     print(f"{'model':<9} {'settings':<58} {'seconds':>8} {'peak RSS MiB':>12} {'peak GiB':>9}")
     for setting in QUICK if args.quick else SETTINGS:
         r = run(dict(setting))

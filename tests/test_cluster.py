@@ -13,12 +13,6 @@ import fsdplab
 from fsdplab.magics import ranks_magic
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with fsdplab.Cluster(2, backend="gloo") as c:
-        yield c
-
-
 def _all_reduce_rank():
     import torch
     import torch.distributed as dist

@@ -1,4 +1,5 @@
-"""The LoRA recipe: model sizes, adapters, FSDP1's extra gradients, the toy task, and the torchrun script."""
+"""The LoRA path: model sizes, adapters, FSDP1's extra gradients (lesson 06), the toy task, and the torchrun
+recipe."""
 
 import math
 import os
@@ -9,37 +10,42 @@ import sys
 import pytest
 import torch
 
-from fsdplab.models import count_params
+from fsdplab.lessons import qwen7b_lora as Q
+from fsdplab.models import blocks_of, count_params
 from fsdplab.recipes import lora as L
+from fsdplab.settings import GIB, TrainSetting
+from fsdplab.sharding import build_model, make_optimizer
+
+
+def lora(model, rank=None, targets="all-linear", **kw):
+    return build_model(TrainSetting(model=model, lora_rank=rank, lora_targets=targets), **kw)
 
 
 def test_qwen_sizes_and_lora_counts():
-    qwen7b = L.build_model("qwen-7b", lora_rank=64)
+    qwen7b = lora("qwen-7b", 64)
     assert count_params(qwen7b) - count_params(qwen7b, trainable_only=True) == 7_721_324_544
-    qwen2 = L.build_model("qwen2-7b", lora_rank=64, target_modules="all-linear")
+    qwen2 = lora("qwen2-7b", 64, "all-linear")
     assert count_params(qwen2, trainable_only=True) == 161_480_704
     # Base weights frozen, adapters trainable, all on the meta device.
     assert all(("lora_" in n) == p.requires_grad for n, p in qwen2.named_parameters())
     assert {p.device.type for p in qwen2.parameters()} == {"meta"}
     # Attention only: A (r x in) and B (out x r) for q, k, v, o; k/v project to 4 KV heads x 128.
-    attn = L.build_model("qwen2-7b", lora_rank=64, target_modules="attention")
+    attn = lora("qwen2-7b", 64, "attention")
     h, kv = 3584, 512
     assert count_params(attn, trainable_only=True) == 28 * 64 * ((h + h) * 2 + (h + kv) * 2)
-    full = L.build_model("qwen-7b")
+    full = lora("qwen-7b")
     assert count_params(full, trainable_only=True) == 7_721_324_544
 
 
 def test_user_mistakes_raise_valueerror():
-    with pytest.raises(ValueError, match="target_modules"):
-        L.build_model("tiny", lora_rank=8, target_modules="mlp")
+    with pytest.raises(ValueError, match="lora_targets"):
+        lora("tiny", 8, "mlp")
     with pytest.raises(ValueError, match="lora_rank"):
-        L.build_model("tiny", lora_rank=0)
-    with pytest.raises(ValueError, match="config"):
-        L.build_model()
+        lora("tiny", 0)
     with pytest.raises(ValueError, match="no trainable"):
-        L.make_optimizer(L.build_model("tiny", device="cpu").requires_grad_(False))
-    with pytest.raises(ValueError, match="unknown setting"):
-        L.setting(seq=4096)
+        make_optimizer(lora("tiny", device="cpu").requires_grad_(False))
+    with pytest.raises(TypeError, match="seq"):
+        Q.setting(seq=4096)
 
 
 def test_checkpointing_wraps_every_layer_and_keeps_gradients():
@@ -50,14 +56,15 @@ def test_checkpointing_wraps_every_layer_and_keeps_gradients():
     ids, labels = task.batch(4, seed=3)
     grads = []
     for ckpt in (False, True):
-        model = L.build_model(config, lora_rank=8, activation_checkpointing=ckpt, device="cpu", seed=0)
-        layers = L.decoder_layers(model)
+        model = build_model(TrainSetting(model=config, lora_rank=8, activation_checkpointing=ckpt), device="cpu",
+                            seed=0)
+        layers = blocks_of(model)
         assert len(layers) == config.num_hidden_layers
         assert all(isinstance(layer, CheckpointWrapper) for layer in layers) == ckpt
         model(input_ids=ids, labels=labels).loss.backward()
         grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
                       if p.requires_grad})
-        opt = L.make_optimizer(model, 1e-3)
+        opt = make_optimizer(model, lr=1e-3)
         assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == count_params(model, True)
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
@@ -66,18 +73,19 @@ def test_checkpointing_wraps_every_layer_and_keeps_gradients():
 
 def test_fsdp1_frozen_gradients():
     per_layer_frozen = 4 * 4096 * 4096 + 3 * 4096 + 3 * 4096 * 11008 + 2 * 4096   # q,k,v,o + biases, MLP, norms
-    fp32 = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, model_dtype="fp32", precision="fp16")
+    posts = Q.POSTS_SETTING                       # Qwen-7B, 8 ranks, LoRA r=64 all-linear, fp16
+    fp32 = Q.fsdp1_frozen_gradients(posts, model_dtype="fp32")
     assert fp32["mixed_units"] == 32
     assert fp32["frozen_params_with_gradients"] == 32 * per_layer_frozen
     assert abs(fp32["persistent_bytes"] - 32 * per_layer_frozen * 4 / 8) <= 32 * 4 * 2   # padding only
-    fp16 = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, model_dtype="fp16", precision="fp16")
+    fp16 = Q.fsdp1_frozen_gradients(posts, model_dtype="fp16")
     assert abs(2 * fp16["persistent_bytes"] - fp32["persistent_bytes"]) <= 32 * 4 * 2
     # fp16 unsharded gradient of one layer's frozen weights + its fp32 copy for the reduce-scatter.
     assert fp32["transient_bytes"] == per_layer_frozen * (2 + 4)
     # Adapting only attention still puts the whole layer (MLP included) in a mixed unit.
-    attn = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, target_modules="attention")
+    attn = Q.fsdp1_frozen_gradients(posts.replace(lora_targets="attention"))
     assert attn["frozen_params_with_gradients"] == fp32["frozen_params_with_gradients"]
-    assert L.fsdp1_frozen_gradients("qwen-7b", 16, lora_rank=64)["persistent_bytes"] < fp32["persistent_bytes"]
+    assert Q.fsdp1_frozen_gradients(posts.replace(world_size=16))["persistent_bytes"] < fp32["persistent_bytes"]
 
 
 def test_string_task_and_tokenizer():
@@ -109,7 +117,7 @@ def test_torchrun_script_loads_trains_and_saves_a_mergeable_adapter(tmp_path):
 
     config = L.miniature_config()
     base_dir, out_dir = tmp_path / "base", tmp_path / "adapter"
-    L.build_model(config, device="cpu", seed=1).save_pretrained(base_dir)
+    build_model(TrainSetting(model=config), device="cpu", seed=1).save_pretrained(base_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -142,22 +150,22 @@ def test_torchrun_script_loads_trains_and_saves_a_mergeable_adapter(tmp_path):
 
 
 def test_dashboard_fits_and_fsdp1_extra():
-    dash = L.lora_dashboard(gpu_gib=24.0)
+    dash = Q.lora_dashboard(gpu_gib=24.0)
     posts = dash.result
-    assert posts["fits"] and posts["fsdp1_extra_bytes"] == 0 and posts["setting"] == L.POSTS_SETTING
+    assert posts["fits"] and posts["fsdp1_extra_bytes"] == 0 and posts["setting"] == Q.POSTS_SETTING
     dash.set(api="FSDP1 use_orig_params")
-    extra = L.fsdp1_frozen_gradients("qwen-7b", 8, lora_rank=64, precision="fp16")["extra_peak_bytes"]
+    extra = Q.fsdp1_frozen_gradients(Q.POSTS_SETTING)["extra_peak_bytes"]
     assert dash.result["fsdp1_extra_bytes"] == extra
-    assert dash.result["total_gib"] * L.GIB == pytest.approx(posts["total_gib"] * L.GIB + extra)
+    assert dash.result["total_gib"] * GIB == pytest.approx(posts["total_gib"] * GIB + extra)
     dash.set(api="FSDP2", seq_len=8192, batch_size=8, activation_checkpointing=False)
     assert not dash.result["fits"] and dash.result["total_gib"] > 24
     assert "does NOT fit" in dash.figure.axes[0].get_title()
 
 
 def test_tiny_twin_config_saves_with_one_layer_type_per_layer(tmp_path):
-    from fsdplab.models import causal_lm, hf_config, tiny_twin
+    from fsdplab.models import causal_lm, tiny_twin
 
-    twin = tiny_twin(hf_config("qwen-7b"), num_layers=3)
+    twin = tiny_twin("qwen-7b", num_layers=3)
     assert len(twin.layer_types) == 3
     causal_lm(twin, device="cpu").save_pretrained(tmp_path)
     assert (tmp_path / "config.json").exists()

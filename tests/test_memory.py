@@ -5,93 +5,84 @@ import math
 
 import pytest
 
-import fsdplab
-from fsdplab import memory
-from fsdplab.fake import CATEGORIES, check_private_apis
-from fsdplab.memory import GIB, MemoryReport, estimate, formula, measure_setting, spec_of
-from fsdplab.models import PARAM_COUNTS
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with fsdplab.Cluster(2) as c:
-        yield c
-
-
-def test_private_torch_apis_are_still_there():
-    check_private_apis()  # raises, naming the private API torch moved
-
-
-@pytest.mark.parametrize("name", sorted(PARAM_COUNTS))
-def test_specs_count_the_published_parameters(name):
-    assert spec_of(name).total_params() == PARAM_COUNTS[name]
+from fsdplab._torch_private import CATEGORIES
+from fsdplab.display import memory_dashboard
+from fsdplab.formula import formula, spec_of
+from fsdplab.memory import MemoryReport, estimate, measure_setting
+from fsdplab.settings import GIB, TrainSetting
 
 
 def test_lora_trainable_count_of_qwen2_7b():
-    assert formula("qwen2-7b", 8, lora_rank=64).detail["trainable_params"] == 161_480_704
+    assert formula(model="qwen2-7b", world_size=8, lora_rank=64).detail["trainable_params"] == 161_480_704
 
 
 def test_model_state_bytes_per_parameter():
     p = 60_200_000                               # ResNet152: a bare parameter count
-    ddp = formula(p, 8, strategy="ddp", precision="bf16")
+    ddp = formula(model=p, world_size=8, strategy="ddp", precision="bf16")
     assert (ddp.resident["parameters"], ddp.resident["gradients"], ddp.resident["optimizer_state"]) == (2 * p, 2 * p, 12 * p)
-    z1 = formula(p, 8, strategy="zero1", precision="bf16").resident
-    z2 = formula(p, 8, strategy="zero2", precision="bf16").resident
+    z1 = formula(model=p, world_size=8, strategy="zero1", precision="bf16").resident
+    z2 = formula(model=p, world_size=8, strategy="zero2", precision="bf16").resident
     assert z1["optimizer_state"] == 12 * p // 8 and z1["gradients"] == 2 * p
     assert z2["gradients"] == 2 * p // 8
-    full = formula(p, 8, strategy="full_shard", precision="fp32").resident
+    full = formula(model=p, world_size=8, strategy="full_shard", precision="fp32").resident
     adam_step = 4                                # one fp32 step counter per parameter tensor
     assert sum(full.values()) == 16 * math.ceil(p / 8) + adam_step
-    sgd = formula(p, 8, strategy="ddp", precision="fp32", optimizer="sgd").resident
+    sgd = formula(model=p, world_size=8, strategy="ddp", precision="fp32", optimizer="sgd").resident
     assert sgd["optimizer_state"] == 4 * p
     # Hybrid sharding divides by the shard group, not the world.
-    hsdp = formula(p, 16, strategy="hybrid_shard", shard_group_size=8).resident
+    hsdp = formula(model=p, world_size=16, strategy="hybrid_shard", shard_group_size=8).resident
     assert hsdp["parameters"] == full["parameters"]
 
 
 def test_activation_model_is_korthikanti():
     s, b = 2048, 1
     spec = spec_of("qwen-7b")
-    report = formula("qwen-7b", 8, seq_len=s, batch_size=b, flash_attention=False)
+    report = formula(model="qwen-7b", world_size=8, seq_len=s, batch_size=b, flash_attention=False)
     h, a = spec.hidden, spec.num_heads
     assert report.detail["activations_per_layer"] == int(s * b * h * (34 + 5 * a * s / h))
     # Flash / SDPA kernels never store the a*s*s score matrices: the 5*a*s/h term goes.
-    assert formula("qwen-7b", 8, seq_len=s).detail["activations_per_layer"] == s * b * h * 34
-    ckpt = formula("qwen-7b", 8, seq_len=s, activation_checkpointing=True)
+    assert formula(model="qwen-7b", world_size=8, seq_len=s).detail["activations_per_layer"] == s * b * h * 34
+    ckpt = formula(model="qwen-7b", world_size=8, seq_len=s, activation_checkpointing=True)
     assert ckpt.by_category["activations"] < report.by_category["activations"] / 5
-    assert formula("qwen-7b", 8, strategy="shard_grad_op").by_category["parameters"] > \
-        formula("qwen-7b", 8, strategy="full_shard").by_category["parameters"]
+    assert formula(model="qwen-7b", world_size=8, strategy="shard_grad_op").by_category["parameters"] > \
+        formula(model="qwen-7b", world_size=8, strategy="full_shard").by_category["parameters"]
 
 
 def test_bad_settings_raise_value_errors():
     with pytest.raises(ValueError, match="strategy"):
-        formula("tiny", 2, strategy="zero9")
+        formula(model="tiny", world_size=2, strategy="zero9")
     with pytest.raises(ValueError, match="unknown model"):
-        formula("gpt-9", 2)
+        formula(model="gpt-9", world_size=2)
     with pytest.raises(ValueError, match="world_size"):
-        estimate("tiny", 0)
+        estimate(model="tiny", world_size=0)
+    with pytest.raises(ValueError, match="exact estimates"):
+        estimate(model="tiny", world_size=2, strategy="ddp")
+    with pytest.raises(ValueError, match="multiple of shard_group_size"):
+        TrainSetting(world_size=12, strategy="hybrid_shard", shard_group_size=8)
+    with pytest.raises(ValueError, match="lora_rank"):
+        TrainSetting(lora_rank=0)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_estimate_and_formula_agree_exactly_on_resident_shards(world_size):
     # World size 3 pads: kv projections have 64 rows, each rank keeps ceil(64/3) = 22.
-    est = estimate("tiny", world_size, seq_len=32, progress=False)
-    form = formula("tiny", world_size, seq_len=32)
+    est = estimate(model="tiny", world_size=world_size, seq_len=32, progress=False)
+    form = formula(model="tiny", world_size=world_size, seq_len=32)
     assert est.resident == form.resident
     assert (form.detail["padding_bytes"] > 0) == (world_size == 3)
     assert est.peak_bytes == sum(est.by_category.values())
 
 
 def test_cpu_offload_is_modelled_and_said():
-    base = estimate("tiny", 2, seq_len=32, progress=False)
-    off = estimate("tiny", 2, seq_len=32, cpu_offload=True, progress=False)
+    base = estimate(model="tiny", world_size=2, seq_len=32, progress=False)
+    off = estimate(model="tiny", world_size=2, seq_len=32, cpu_offload=True, progress=False)
     assert off.peak_bytes < base.peak_bytes
     assert any("cpu offload is modelled" in n for n in off.notes)
     assert off.by_category["optimizer_state"] == 0
 
 
 def test_report_methods():
-    report = formula("qwen-7b", 8)
+    report = formula(model="qwen-7b", world_size=8)
     assert report.fits(1000) and not report.fits(1)
     data = json.loads(report.to_json())
     assert set(data["by_category"]) == set(CATEGORIES) and data["peak_bytes"] == report.peak_bytes
@@ -115,8 +106,8 @@ def _close(a, b, rel=0.02):
 
 @pytest.mark.parametrize("setting", [dict(), dict(lora_rank=8), dict(activation_checkpointing=True)])
 def test_estimate_matches_live_ranks_per_category(cluster, setting):
-    est = estimate("tiny", 2, seq_len=64, progress=False, **setting)
-    for report in cluster.run(measure_setting, "tiny", seq_len=64, **setting):
+    est = estimate(model="tiny", world_size=2, seq_len=64, progress=False, **setting)
+    for report in cluster.run(measure_setting, model="tiny", world_size=2, seq_len=64, **setting):
         assert report.resident == est.resident
         for name in CATEGORIES:
             assert _close(report.category_peaks[name], est.category_peaks[name]), \
@@ -132,14 +123,14 @@ def test_estimate_runs_in_a_subprocess_when_a_group_exists(cluster):
     def on_rank():
         from fsdplab.memory import estimate
 
-        return estimate("tiny", 4, seq_len=32, lora_rank=8, progress=False).peak_bytes
+        return estimate(model="tiny", world_size=4, seq_len=32, lora_rank=8, progress=False).peak_bytes
 
-    here = estimate("tiny", 4, seq_len=32, lora_rank=8, progress=False).peak_bytes
+    here = estimate(model="tiny", world_size=4, seq_len=32, lora_rank=8, progress=False).peak_bytes
     assert cluster.run(on_rank, ranks=[0], timeout=120) == [here]
 
 
 def test_dashboard_draws_formula_and_set_changes_it():
-    dash = memory.memory_dashboard(model="qwen-7b", world_size=8, gpu_mem_gib=24)
+    dash = memory_dashboard(model="qwen-7b", world_size=8, gpu_mem_gib=24)
     first = dash.result["selected"].peak_bytes
     dash.set(model="llama2-70b", world_size=64, lora_rank=0)
     second = dash.result["selected"]

@@ -1,0 +1,37 @@
+"""One 2-rank cluster for the whole test session: starting one costs seconds, and most test modules need one.
+
+`cluster` hands each module the shared cluster, healthy: if an earlier module left it stopped, broken (a
+planted hang, a killed rank) or unresponsive, it is restarted first. A module that needs a cluster of its
+own (another world size, a fresh start) makes it itself.
+"""
+
+import pytest
+
+import fsdplab
+
+
+def _healthy(cluster) -> bool:
+    if cluster._client is None or cluster._broken is not None:
+        return False
+    try:
+        return cluster.run(fsdplab.rank, timeout=20, quiet=True) == list(range(cluster.world_size))
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def _shared_cluster():
+    cluster = fsdplab.Cluster(2)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(_shared_cluster):
+    if _shared_cluster._client is None:
+        _shared_cluster.start()
+    elif not _healthy(_shared_cluster):
+        _shared_cluster.restart()
+    yield _shared_cluster
