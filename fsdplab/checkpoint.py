@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .dist import this_rank, this_world_size
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 LATEST = "latest"
 
@@ -35,16 +37,6 @@ def _dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _rank() -> int:
-    dist = _dist()
-    return dist.get_rank() if dist else 0
-
-
-def _world_size() -> int:
-    dist = _dist()
-    return dist.get_world_size() if dist else 1
 
 
 def _barrier() -> None:
@@ -58,7 +50,7 @@ def _on_rank0(fn):
     every rank (instead of rank 0 raising while the others wait for it at the next barrier forever).
     Works as a barrier too. Returns fn's value on rank 0, None elsewhere."""
     value, failure = None, None
-    if _rank() == 0:
+    if this_rank() == 0:
         try:
             value = fn()
         except Exception as err:  # reported to every rank below, then re-raised on rank 0
@@ -161,7 +153,7 @@ def load_full(model: nn.Module, path) -> None:
     if _dist() is None:
         model.load_state_dict(_read_tensors(path))
         return
-    state = _read_tensors(path) if _rank() == 0 else {}
+    state = _read_tensors(path) if this_rank() == 0 else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
@@ -179,7 +171,7 @@ def full_state(model: nn.Module, optimizer=None) -> dict:
             for name, value in per_param.items():
                 value = value.full_tensor() if hasattr(value, "full_tensor") else value
                 out[f"optim.{fqn}.{name}"] = torch.as_tensor(value).detach().cpu().clone()
-    return out if _rank() == 0 else {}
+    return out if this_rank() == 0 else {}
 
 
 def state_fingerprint(state: dict) -> dict:
@@ -374,7 +366,7 @@ def sharded_tiny(cfg=None, seed: int = 0, lr: float = 1e-2):
     """(model, optimizer): the lab's TinyTransformer, FSDP2-sharded per block over all ranks (a plain model
     when no process group is running: world size 1), with AdamW. Parameters are initialised from `seed`."""
     from .models import TinyConfig
-    from .parallel import apply_fsdp, build_tiny
+    from .sharding import apply_fsdp, build_tiny
 
     model = build_tiny(cfg or TinyConfig(), seed=seed)
     if _dist() is not None:
@@ -388,7 +380,7 @@ def sharded_hf(config, seed: int = 0):
     """A transformers causal LM from `config` (e.g. models.hf_config("tiny")), FSDP2-sharded per decoder
     layer over all ranks; every rank initialises the same weights from `seed` before sharding."""
     from .models import causal_lm
-    from .parallel import apply_fsdp
+    from .sharding import apply_fsdp
 
     torch.manual_seed(seed)
     model = causal_lm(config, device="cpu")
@@ -401,21 +393,14 @@ def sharded_hf(config, seed: int = 0):
 
 def fsdp1_state_dict_defaults() -> dict:
     """What FSDP1 (FullyShardedDataParallel) does when nobody sets a state dict type, read from the installed
-    torch (no GPU needed): the default type and the default FullStateDictConfig fields."""
-    import inspect
-
+    torch (no GPU needed): the default type and the default FullStateDictConfig fields. Raises
+    PrivateAPIError when torch moved the private code the default is read from."""
     from torch.distributed.fsdp import FullStateDictConfig
 
-    try:
-        from torch.distributed.fsdp import _init_utils
+    from ._torch_private import fsdp1_default_state_dict_type
 
-        source = inspect.getsource(_init_utils._init_state_dict_state)
-        found = re.search(r"_state_dict_type\s*=\s*StateDictType\.(\w+)", source)
-        default_type = found.group(1) if found else "unknown (torch changed _init_state_dict_state)"
-    except (ImportError, AttributeError, OSError):
-        default_type = "unknown (torch changed _init_utils)"
     config = FullStateDictConfig()
-    return {"default state_dict_type": default_type, "FullStateDictConfig().offload_to_cpu": config.offload_to_cpu,
+    return {"default state_dict_type": fsdp1_default_state_dict_type(), "FullStateDictConfig().offload_to_cpu": config.offload_to_cpu,
             "FullStateDictConfig().rank0_only": config.rank0_only}
 
 
@@ -427,8 +412,9 @@ def train_steps(model, optimizer, cfg, steps: int, start_step: int = 0, global_b
     any world size (rank r takes its slice of it), so a run resumed at another world size sees the same
     data. Returns the global mean loss of each step (the same on every rank)."""
     from .models import random_batch
+    from .sharding import train_step
 
-    world, rank = _world_size(), _rank()
+    world, rank = this_world_size(), this_rank()
     if global_batch % world:
         raise ValueError(f"global_batch={global_batch} must divide evenly among {world} ranks; "
                          f"use a multiple of {world}.")
@@ -438,12 +424,7 @@ def train_steps(model, optimizer, cfg, steps: int, start_step: int = 0, global_b
     for step in range(start_step, start_step + steps):
         tokens, targets = random_batch(cfg, global_batch, seed=seed + step)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        logits = model(tokens[mine].to(device))
-        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets[mine].to(device).flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
+        total = train_step(model, optimizer, (tokens[mine].to(device), targets[mine].to(device)))
         if dist:
             dist.all_reduce(total)  # gloo has no AVG: sum, then divide
         losses.append(total.item() / world)

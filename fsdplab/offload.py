@@ -9,14 +9,15 @@ gradients before the reduce-scatter, the activations and the communication buffe
 
 Bandwidth figures (vendor specifications, per direction, theoretical peak):
 
-- PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s ("~32 GB/s"); PCIe 5.0 x16: ~63 GB/s
-  ("~64 GB/s"). Pinned-memory copies reach only part of the peak; `step_time` assumes 80%.
+- PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s ("~32 GB/s"); PCIe 5.0 x16: 63 GB/s
+  ("~64 GB/s"). The figures are `fsdplab.comms.PRESETS`' (one definition for the lab). Pinned-memory copies
+  reach only part of the peak; `step_time` assumes 80%.
 - GPU memory bandwidth: NVIDIA A10 600 GB/s (GDDR6, 24 GB; PCIe 4.0 card); A100 80GB SXM ~2 TB/s
   (2,039 GB/s HBM2e; PCIe 4.0 host link); H100 SXM 3.35 TB/s (HBM3; PCIe 5.0 host link).
 - Dense bf16 tensor-core peak: A10 125 TFLOP/s, A100 312 TFLOP/s, H100 SXM 989 TFLOP/s (the data sheets'
   larger numbers assume 2:4 sparsity).
 
-So the host link is ~1/19 of an A10's memory bandwidth, ~1/64 of an A100's and ~1/52 of an H100's (PCIe 5),
+So the host link is ~1/19 of an A10's memory bandwidth, ~1/64 of an A100's and ~1/53 of an H100's (PCIe 5),
 not "1/10". Reported end-to-end slowdowns of FSDP CPU offload with AdamW are 3-10x, not 30%, and the
 profile there shows the CPU optimizer step, not the device-to-host copies, as the cause (pytorch/pytorch#74588).
 
@@ -29,9 +30,11 @@ import math
 import time
 from dataclasses import dataclass
 
-GIB = 1024 ** 3
+from .comms import get_link
+from .settings import GIB
 
-PCIE_BYTES_PER_S = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9}
+# Host links by the short name a GPU's `host_link` uses; the bandwidths are comms.PRESETS' (per direction).
+PCIE_BYTES_PER_S = {name: get_link(name).bytes_per_s for name in ("PCIe 4.0 x16", "PCIe 5.0 x16")}
 
 
 @dataclass(frozen=True)
@@ -87,36 +90,39 @@ def ledger(model="qwen-7b", world_size: int = 8, *, cpu_offload: bool = False, l
            seq_len: int = 2048, batch_size: int = 1, precision: str = "bf16",
            activation_checkpointing: bool = True) -> dict:
     """Per-rank bytes on the GPU and on the host, by category, for FSDP2 FULL_SHARD + AdamW
-    (`fsdplab.memory.formula`). Offload moves the resident shards (fp32 parameters, gradients, optimizer
+    (`fsdplab.formula.formula`). Offload moves the resident shards (fp32 parameters, gradients, optimizer
     state) to the host; the gathered units in flight, their gradients, activations and buffers stay.
 
-    `model`: a name of `fsdplab.memory.MODEL_SPECS`, a `ModelSpec`, or a parameter count such as 13e9
-    (a Llama-like shape is derived: see `spec_for`).
+    `model`: a name of `fsdplab.models.MODELS`, a transformers config, or a parameter count such as 13e9
+    (a Llama-like shape is derived: see `llama_like`).
     """
-    from .memory import formula
+    from .formula import formula
 
     if isinstance(model, (int, float)):
-        model = spec_for(model)
-    report = formula(model, world_size, strategy="full_shard", precision=precision, lora_rank=lora_rank,
-                     seq_len=seq_len, batch_size=batch_size, activation_checkpointing=activation_checkpointing,
-                     cpu_offload=cpu_offload)
+        model = llama_like(model)
+    report = formula(model=model, world_size=world_size, strategy="full_shard", precision=precision,
+                     lora_rank=lora_rank, seq_len=seq_len, batch_size=batch_size,
+                     activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)
     cpu = {k: (report.resident.get(k, 0) if cpu_offload else 0) for k in report.by_category}
     return {"gpu": dict(report.by_category), "cpu": cpu, "gpu_total": report.peak_bytes,
             "cpu_total": sum(cpu.values()), "total_params": report.detail["total_params"],
             "trainable_params": report.detail["trainable_params"], "report": report}
 
 
-def spec_for(num_params: float):
-    """A Llama-like `ModelSpec` with about `num_params` parameters: SwiGLU blocks of 12*h^2 parameters,
-    L = h/128 layers, 128-wide heads, vocab 32000."""
-    from .memory import ModelSpec
+def llama_like(num_params: float):
+    """A Llama-like transformers config (named e.g. "13B") with about `num_params` parameters: SwiGLU blocks
+    of 12*h^2 parameters, L = h/128 layers, 128-wide heads, no GQA, untied embeddings, vocab 32000. A config
+    rather than a `ModelSpec`: it is what a TrainSetting (and so the formula) takes as a model."""
+    from transformers import LlamaConfig
 
     if num_params < 1e7:
         raise ValueError(f"num_params={num_params:g} is too small for this shape rule; use at least 1e7.")
     hidden = max(256, int(round((num_params * 128 / 12) ** (1 / 3) / 128)) * 128)
     num_layers = max(2, int(round((num_params - 2 * 32000 * hidden) / (12 * hidden ** 2))))
     heads = hidden // 128
-    return ModelSpec(f"{num_params / 1e9:g}B", hidden, num_layers, heads, heads, int(round(8 * hidden / 3)), 32000)
+    return LlamaConfig(hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
+                       num_key_value_heads=heads, intermediate_size=int(round(8 * hidden / 3)), vocab_size=32000,
+                       use_cache=False, name_or_path=f"{num_params / 1e9:g}B")
 
 
 def draw_ledger(ax, ledgers: dict, gpu_mem_gib: float | None = None):
@@ -124,7 +130,7 @@ def draw_ledger(ax, ledgers: dict, gpu_mem_gib: float | None = None):
     `ledgers`: {False: ledger(...), True: ledger(..., cpu_offload=True)}."""
     from types import SimpleNamespace
 
-    from .memory import draw_stacked
+    from .display import draw_stacked
 
     bars = [SimpleNamespace(by_category=ledgers[False]["gpu"]), SimpleNamespace(by_category=ledgers[True]["gpu"]),
             SimpleNamespace(by_category=ledgers[True]["cpu"])]
@@ -163,7 +169,17 @@ def time_adamw_step(num_params: int = 20_000_000, repeats: int = 3, chunk: int =
 
 
 def measure_host_bandwidth(megabytes: int = 256, repeats: int = 5) -> dict | None:
-    """Pinned host<->device copy bandwidth on this rank's GPU (bytes/s per direction); None without a GPU."""
+    """Pinned host<->device copy bandwidth on this process's current GPU: the lab's one measurement of the
+    host link (lesson 03 and the GPU checks both call it, so they cannot disagree).
+
+    megabytes: size of each copy in MiB (a float32 buffer of megabytes * 2**20 bytes); repeats: timed copies
+    per direction, after one untimed warm-up copy. Each direction is timed on the wall clock from a
+    synchronised device to a synchronised device, copies `non_blocking` from / to pinned host memory
+    (how FSDP's CPUOffloadPolicy copies).
+
+    Returns {"h2d": bytes/s host-to-device, "d2h": bytes/s device-to-host} (decimal: divide by 1e9 for
+    GB/s, the unit of the PCIe figures), or None when CUDA is not available.
+    """
     import torch
 
     if not torch.cuda.is_available():
@@ -235,9 +251,11 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
     """
     if gpu_mem_gib <= 0 or num_params <= 0 or world_size < 1:
         raise ValueError("gpu_mem_gib, num_params and world_size must be positive.")
+    from .formula import spec_of
+
     budget = (gpu_mem_gib - RESERVE_GIB) * GIB
-    spec = spec_for(num_params)
-    params = spec.total_params()
+    spec = llama_like(num_params)
+    params = spec_of(spec).total_params()
     kw = dict(cpu_adam_seconds_per_param=cpu_adam_seconds_per_param, tokens_per_rank=seq_len)
     rows = {}
     full = ledger(spec, world_size, seq_len=seq_len)
@@ -297,7 +315,7 @@ def dashboard(gpu_mem_gib: int = 24, params_b: float = 7.0, world_size: int = 8,
     """Sliders (GPU memory, model size, world size, GPU type) -> which option fits and its modelled step time."""
     import ipywidgets as W
 
-    from .widgets import Dashboard
+    from .display import Dashboard
 
     controls = {
         "gpu_mem_gib": W.IntSlider(value=gpu_mem_gib, min=8, max=144, step=4, description="GPU GiB"),
@@ -377,11 +395,11 @@ def offload_attempt_on_rank(cfg=None) -> str:
     (on a CPU rank there is no accelerator to offload from)."""
     from .dist import device, mesh
     from .models import random_batch
-    from .parallel import apply_fsdp, build_tiny
+    from .sharding import apply_fsdp, build_tiny, loss_of
 
     try:
         model = apply_fsdp(build_tiny(cfg, device=device()), mesh(), cpu_offload=True)
-        model.loss(*random_batch(model.cfg, 2, device=device())).backward()
+        loss_of(model, random_batch(model.cfg, 2, device=device())).backward()
         return "ok"
     except Exception as e:  # noqa: BLE001 - the error itself is what the lesson shows
         return f"{type(e).__name__}: {e}"
@@ -398,7 +416,7 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
 
     from .dist import device, mesh
     from .models import random_batch
-    from .parallel import apply_fsdp, build_tiny
+    from .sharding import apply_fsdp, build_tiny, train_step
 
     dev = device()
     if dev.type != "cuda":
@@ -410,12 +428,10 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
     torch.cuda.reset_peak_memory_stats(dev)
     times = []
     for step in range(steps + 1):
-        tokens, targets = random_batch(cfg, 8, seed=step, device=dev)
+        batch = random_batch(cfg, 8, seed=step, device=dev)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        model.loss(tokens, targets).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, batch)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     p = next(iter(model.parameters()))
@@ -435,7 +451,7 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
 
     from .dist import device
     from .models import Block, random_batch
-    from .parallel import build_tiny
+    from .sharding import build_tiny, train_step
 
     dev = device()
     if dev.type != "cuda":
@@ -448,13 +464,10 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for step in range(steps + 1):
-        tokens, targets = random_batch(cfg, 8, seed=step, device=dev)
+        batch = random_batch(cfg, 8, seed=step, device=dev)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, batch)   # loss_of calls the FSDP1 wrapper's forward, as the posts' code does
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     return {"seconds_per_step": sorted(times[1:])[len(times[1:]) // 2],

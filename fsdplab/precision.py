@@ -21,7 +21,8 @@ import math
 import torch
 from torch import nn
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .dist import this_rank
+from .settings import PRECISIONS, torch_dtype
 
 
 # --- ranges ----------------------------------------------------------------------------------------
@@ -29,7 +30,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def dtype_table() -> list:
     """max, smallest normal, smallest subnormal and machine epsilon of fp32 / bf16 / fp16 (torch.finfo)."""
     rows = []
-    for name, dt in DTYPES.items():
+    for name in PRECISIONS:
+        dt = torch_dtype(name)
         fi = torch.finfo(dt)
         rows.append({"dtype": name, "max": fi.max, "smallest_normal": fi.tiny,
                      "smallest_subnormal": fi.smallest_normal * fi.eps, "eps": fi.eps,
@@ -46,7 +48,7 @@ def rms_in(dtype_name: str, scales, dim: int = 4096, seed: int = 0) -> list:
     for scale in scales:
         x64 = base * scale
         exact = x64.pow(2).mean().sqrt()
-        x = x64.to(DTYPES[dtype_name])
+        x = x64.to(torch_dtype(dtype_name))
         got = x.mul(x).mean().sqrt().double()
         out.append(float("inf") if not torch.isfinite(got) else float((got - exact).abs() / exact))
     return out
@@ -55,11 +57,12 @@ def rms_in(dtype_name: str, scales, dim: int = 4096, seed: int = 0) -> list:
 def tiny_gradients(cfg=None, seed: int = 0) -> torch.Tensor:
     """All non-zero gradient elements of one fp32 forward/backward of the tiny transformer (a flat tensor)."""
     from .models import TinyConfig, TinyTransformer, random_batch
+    from .sharding import loss_of
 
     torch.manual_seed(seed)
     cfg = cfg or TinyConfig()
     model = TinyTransformer(cfg)
-    model.loss(*random_batch(cfg, 4, seed=seed)).backward()
+    loss_of(model, random_batch(cfg, 4, seed=seed)).backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])
     return grads[grads != 0]
 
@@ -68,7 +71,7 @@ def underflow_fraction(grads: torch.Tensor, dtype_name: str, loss_scale: float =
     """Fraction of non-zero fp32 gradients (times `shrink`) that are exactly 0 once cast to `dtype_name`
     after multiplying by `loss_scale` (what a loss scaler does before backward)."""
     g = grads.double() * shrink * loss_scale
-    cast = g.to(DTYPES[dtype_name])
+    cast = g.to(torch_dtype(dtype_name))
     return float((cast == 0).double().mean())
 
 
@@ -80,7 +83,8 @@ def adam_state_dtypes(grad_value: float = 1e-4, lr: float = 1e-3) -> dict:
     the update m / (sqrt(v) + eps) divides by zero.
     """
     out = {}
-    for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
+    for name in ("fp32", "fp16"):
+        dt = torch_dtype(name)
         torch.manual_seed(0)
         layer = nn.Linear(64, 64).to(dt)
         opt = torch.optim.AdamW(layer.parameters(), lr=lr, eps=1e-8)
@@ -104,12 +108,6 @@ def is_norm(module: nn.Module) -> bool:
         type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def probe_norms(model: nn.Module, records: list, print_rank: int | None = None) -> list:
     """Forward hooks on every norm module that append (name, weight dtype, input dtype, output dtype) to
     `records` while forward runs, so what is read is what the kernel received. print_rank: also print each
@@ -125,7 +123,7 @@ def probe_norms(model: nn.Module, records: list, print_rank: int | None = None) 
                    "input": str(args[0].dtype).replace("torch.", ""),
                    "output": str(output.dtype).replace("torch.", "")}
             records.append(row)
-            if print_rank is not None and (print_rank < 0 or _rank() == print_rank):
+            if print_rank is not None and (print_rank < 0 or this_rank() == print_rank):
                 print(f"inside forward: {name:<14} weight {row['weight']:<9} input {row['input']:<9} "
                       f"output {row['output']}", flush=True)
 
@@ -145,7 +143,7 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
 
     from .dist import device, mesh, rank
     from .models import TinyConfig, random_batch
-    from .parallel import apply_fsdp, build_tiny
+    from .sharding import apply_fsdp, build_tiny
 
     cfg = cfg or TinyConfig()
     model = build_tiny(cfg, device=device())
@@ -153,7 +151,7 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
         # Inputs are cast up to fp32 on the way in; output_dtype casts the result back down, since the
         # next Linear runs in `precision` and refuses an fp32 input.
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                    output_dtype=DTYPES[precision], cast_forward_inputs=True)
+                                    output_dtype=torch_dtype(precision), cast_forward_inputs=True)
         for module in [m for m in model.modules() if is_norm(m)]:
             fully_shard(module, mesh=mesh(), mp_policy=fp32)
     apply_fsdp(model, mesh(), precision=precision, reduce_precision=reduce_precision)
@@ -179,7 +177,7 @@ def fsdp1_mixed_precision_on_rank(cfg=None) -> dict:
 
     from .dist import device, rank
     from .models import TinyConfig, random_batch
-    from .parallel import build_tiny
+    from .sharding import build_tiny
 
     warnings.filterwarnings("ignore", module="torch.distributed.fsdp")
     cfg = cfg or TinyConfig()
@@ -217,13 +215,14 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
 
     from .dist import device, mesh, rank, world_size
     from .models import TinyConfig, random_batch
-    from .parallel import apply_fsdp, build_tiny
+    from .sharding import apply_fsdp, build_tiny, loss_of
 
     cfg = cfg or TinyConfig()
     dev, n, r = device(), world_size(), rank()
-    tokens, targets = random_batch(cfg, batch_size, seed=seed + r, device=dev)
+    batch = random_batch(cfg, batch_size, seed=seed + r, device=dev)
     reference = build_tiny(cfg, seed=seed, device=dev)
-    (reference.loss(tokens, targets) * loss_scale).backward()
+    # Gradients only, no optimizer step: backward is called here, not through train_step.
+    (loss_of(reference, batch) * loss_scale).backward()
     grads = [p.grad for p in reference.parameters()]
     flat = torch.cat([g.double().flatten() for g in grads]) / loss_scale
     dist.all_reduce(flat)                       # one float64 sum of every rank's gradient
@@ -232,7 +231,7 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
 
     model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), mesh(), precision="fp32",
                        reduce_precision=reduce_precision)
-    (model.loss(tokens, targets) * loss_scale).backward()
+    (loss_of(model, batch) * loss_scale).backward()
     tally = torch.zeros(5, dtype=torch.float64, device=dev)   # err^2, ref^2, flushed, non-zero ref, non-finite
     for p, full in zip(model.parameters(), ref_full):
         got = p.grad.to_local().double() / loss_scale
@@ -268,7 +267,7 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
 
     from .dist import device, rank
     from .models import TinyConfig, random_batch
-    from .parallel import build_tiny
+    from .sharding import build_tiny, train_step
 
     if scaler not in ("per-rank", "agree"):
         raise ValueError(f"scaler must be 'per-rank' or 'agree', got {scaler!r}.")
@@ -280,19 +279,18 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
     amp_scaler = (torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16) if scaler == "per-rank"
                   else ShardedGradScaler(dev.type, init_scale=2.0 ** 16))
     flat = next(model.parameters())
+
+    def plant_inf():
+        # Between backward and the scaler's step: the inf an fp16 overflow would leave in this rank's shard.
+        with torch.no_grad():
+            flat.grad.view(-1)[0] = float("inf")
+
     scales, changed, checksums = [], [], []
     for step in range(steps):
-        tokens, targets = random_batch(cfg, 4, seed=seed + 1000 * step + rank(), device=dev)
-        logits = model(tokens)
-        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        amp_scaler.scale(loss).backward()
-        if step == inf_step and rank() == inf_rank:
-            with torch.no_grad():
-                flat.grad.view(-1)[0] = float("inf")
+        batch = random_batch(cfg, 4, seed=seed + 1000 * step + rank(), device=dev)
         before = flat.detach().clone()
-        amp_scaler.step(opt)
-        amp_scaler.update()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, batch, scaler=amp_scaler,
+                   after_backward=plant_inf if step == inf_step and rank() == inf_rank else None)
         scales.append(float(amp_scaler.get_scale()))
         changed.append(not torch.equal(before, flat.detach()))
         checksums.append(float(flat.detach().double().sum()))
@@ -306,22 +304,21 @@ def fsdp2_scaler_on_rank(inf_rank: int = 1, cfg=None, seed: int = 0) -> dict:
     whether its shards changed."""
     from .dist import device, mesh, rank
     from .models import TinyConfig, random_batch
-    from .parallel import apply_fsdp, build_tiny
+    from .sharding import apply_fsdp, build_tiny, train_step
 
     cfg = cfg or TinyConfig()
     dev = device()
     model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), mesh())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16)
-    tokens, targets = random_batch(cfg, 4, seed=seed + rank(), device=dev)
-    scaler.scale(model.loss(tokens, targets)).backward()
-    first = next(model.parameters())
-    if rank() == inf_rank:
+
+    def plant_inf():
         with torch.no_grad():
-            first.grad.to_local().view(-1)[0] = float("inf")
+            next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+
     before = [p.to_local().clone() for p in model.parameters()]
-    scaler.step(opt)
-    scaler.update()
+    batch = random_batch(cfg, 4, seed=seed + rank(), device=dev)
+    train_step(model, opt, batch, scaler=scaler, after_backward=plant_inf if rank() == inf_rank else None)
     stepped = any(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
     return {"rank": rank(), "scale": float(scaler.get_scale()), "stepped": stepped}
 
@@ -343,7 +340,7 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
     """
     from .dist import device, mesh, rank
     from .models import TinyConfig, random_batch
-    from .parallel import apply_fsdp, backward_and_step, build_tiny
+    from .sharding import apply_fsdp, build_tiny, train_step
 
     if mode not in CURVE_MODES:
         raise ValueError(f"mode must be one of {CURVE_MODES}, got {mode!r}.")
@@ -363,10 +360,8 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
     scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16) if mode == "fp16+scaler" else None
     losses = []
     for step in range(steps):
-        tokens, targets = random_batch(cfg, batch_size, seed=seed + 1000 * step + rank(), device=dev)
-        loss = model.loss(tokens, targets)
-        backward_and_step(loss, opt, scaler)
-        value = loss.item()
+        batch = random_batch(cfg, batch_size, seed=seed + 1000 * step + rank(), device=dev)
+        value = train_step(model, opt, batch, scaler=scaler).item()
         losses.append(value if math.isfinite(value) else float("nan"))
     return losses
 
@@ -383,7 +378,7 @@ def draw_ranges(fig, scales, rms_errors: dict, shrinks, underflow: dict):
         inf_x = [s for s, e in zip(scales, errs) if not math.isfinite(e)]
         if inf_x:
             ax_rms.plot(inf_x, [1.0] * len(inf_x), "x", color=line.get_color(), markersize=9,
-                        label=f"{name}: inf (x*x > {torch.finfo(DTYPES[name]).max:g})")
+                        label=f"{name}: inf (x*x > {torch.finfo(torch_dtype(name)).max:g})")
     ax_rms.set(xscale="log", yscale="log", xlabel="activation RMS (value scale)",
                ylabel="relative error of sqrt(mean(x*x))", title="activations: overflow in a norm's sum")
     ax_rms.legend(fontsize=7)

@@ -137,12 +137,6 @@ def test_export_loads_in_plain_transformers(tmp_path):
 
 # --- on 2 gloo ranks ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cluster():
-    with fsdplab.Cluster(2, quiet=True) as c:
-        yield c
-
-
 def _state_dict_layout():
     model, _ = ck.sharded_tiny(CFG, seed=0)
     v = model.state_dict()["tok_emb.weight"]
@@ -245,7 +239,7 @@ def test_posts_safe_save_hangs_and_restart_recovers(cluster, tmp_path):
 
 
 def test_crash_mid_save_keeps_last_good_checkpoint(cluster, tmp_path):
-    # Last in this file: it leaves the group broken (the fixture's stop() cleans up).
+    # Last in this file: it leaves the group broken (conftest's cluster fixture restarts it for the next module).
     cluster.push(root=str(tmp_path))
     crash = ("from fsdplab import checkpoint as ck\nfrom fsdplab.models import TinyConfig\nimport os\n"
              "cfg = TinyConfig(dim=32, num_layers=2, seq_len=16)\n"

@@ -6,13 +6,19 @@ import pytest
 import torch
 
 from fsdplab import offload as O
-from fsdplab.plots import GIB
+from fsdplab.formula import spec_of
+from fsdplab.settings import GIB
 
 
 def test_host_link_is_far_below_one_tenth_of_gpu_memory():
-    assert O.bandwidth_ratio("A10") == pytest.approx(600 / 32)
-    assert O.bandwidth_ratio("A100-80GB") == pytest.approx(2000 / 32)
-    assert O.bandwidth_ratio("H100-SXM") == pytest.approx(3350 / 64)
+    from fsdplab.comms import get_link
+
+    # One source for the PCIe figures: comms' link presets.
+    assert O.PCIE_BYTES_PER_S == {"PCIe 4.0 x16": 31.5e9, "PCIe 5.0 x16": 63e9}
+    assert all(bw == get_link(name).bytes_per_s for name, bw in O.PCIE_BYTES_PER_S.items())
+    assert O.bandwidth_ratio("A10") == pytest.approx(600 / 31.5)
+    assert O.bandwidth_ratio("A100-80GB") == pytest.approx(2000 / 31.5)
+    assert O.bandwidth_ratio("H100-SXM") == pytest.approx(3350 / 63)
     assert all(O.bandwidth_ratio(name) > 10 for name in O.GPUS)
     with pytest.raises(ValueError, match="use one of"):
         O.gpu("V100")
@@ -39,11 +45,14 @@ def test_ledger_moves_resident_shards_and_keeps_the_rest():
     assert plain["total_params"] == 7_721_324_544
 
 
-def test_spec_for_hits_the_requested_size():
+def test_llama_like_hits_the_requested_size():
     for params in (1e9, 7e9, 70e9):
-        assert O.spec_for(params).total_params() == pytest.approx(params, rel=0.05)
+        config = O.llama_like(params)
+        assert spec_of(config).total_params() == pytest.approx(params, rel=0.05)
+        assert O.ledger(params, 8)["total_params"] == spec_of(config).total_params()
+    assert O.llama_like(13e9).name_or_path == "13B"
     with pytest.raises(ValueError, match="too small"):
-        O.spec_for(1e6)
+        O.llama_like(1e6)
 
 
 def test_step_time_model():
@@ -51,7 +60,7 @@ def test_step_time_model():
     off = O.step_time(7e9, 8, "A10", cpu_offload=True, cpu_adam_seconds_per_param=2e-9)
     assert off["compute"] == base["compute"] and base["transfer"] == 0
     assert off["optimizer"] == pytest.approx(7e9 / 8 * 2e-9)
-    assert off["transfer"] == pytest.approx((7e9 / 8 * 12) / (32e9 * 0.8), rel=1e-6)
+    assert off["transfer"] == pytest.approx((7e9 / 8 * 12) / (31.5e9 * 0.8), rel=1e-6)
     assert off["total"] > off["total_overlapped"] >= base["total"]
     lora = O.step_time(7e9, 8, "A10", trainable_params=1.6e8)
     assert lora["compute"] < base["compute"] and lora["optimizer"] < base["optimizer"]

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-import fsdplab
 from fsdplab import precision as P
 from fsdplab.models import TinyConfig
 
@@ -48,12 +47,6 @@ def test_probe_norms_records_dtypes_without_ranks():
     assert records == [{"module": "1", "weight": "bfloat16", "input": "bfloat16", "output": "bfloat16"}]
     for h in handles:
         h.remove()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with fsdplab.Cluster(2, quiet=True) as c:
-        yield c
 
 
 def test_norms_run_in_param_dtype_despite_fp32_reduce(cluster):
