@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Download, into .whl/, the wheels that a GPU machine without internet access needs on top of its own
 # torch, transformers, peft, matplotlib, requests, pyyaml, psutil, tqdm, click, attrs, pygments,
-# python-dateutil and packaging: papermill and the Jupyter kernel stack (the lessons' runner) and
-# ipyparallel with cloudpickle (fsdplab.Cluster). Targets CPython 3.12 on x86-64 Linux. No torch here.
+# python-dateutil and packaging: papermill and the Jupyter kernel stack (the lessons' runner),
+# ipyparallel with cloudpickle (fsdplab.Cluster) and pytest (tests/gpu, run by scripts/gpu_run.py).
+# Targets CPython 3.12 on x86-64 Linux. No torch here.
 #
 # On the GPU machine (copy .whl/ along, it is git-ignored through .git/info/exclude):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -27,6 +28,8 @@ PACKAGES=(
   pexpect==4.9.0 ptyprocess==0.7.0 stack_data==0.6.3 asttokens==3.0.1 executing==2.2.1 pure_eval==0.2.3
   # ranks and dashboards
   ipyparallel==9.2.0 cloudpickle==3.1.3 ipywidgets==8.1.9 widgetsnbextension==4.0.16 jupyterlab_widgets==3.0.17
+  # the GPU checks are pytest tests
+  pytest==9.0.3 iniconfig==2.3.0 pluggy==1.6.0
 )
 
 mkdir -p .whl
