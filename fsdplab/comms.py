@@ -603,12 +603,11 @@ def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_p
 
     `backward_prefetch`: "BACKWARD_PRE", "BACKWARD_POST" or None. Returns the event log (collectives in
     launch order; FSDP1 units are not labelled) and the peak GPU memory of the step in bytes."""
-    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
     from .dist import this_rank
-    from .models import Block, TinyConfig
-    from .sharding import build_tiny
+    from .models import TinyConfig
+    from .sharding import apply_fsdp1, build_tiny
 
     if not torch.cuda.is_available():
         raise ValueError("FSDP1 (FullyShardedDataParallel) needs a GPU per rank; on CPU use FSDP2 (fully_shard).")
@@ -616,9 +615,8 @@ def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_p
         raise ValueError("backward_prefetch must be 'BACKWARD_PRE', 'BACKWARD_POST' or None.")
     cfg = cfg or TinyConfig()
     device = torch.device("cuda", torch.cuda.current_device())
-    model = FullyShardedDataParallel(
-        build_tiny(cfg, seed=seed, device=device), auto_wrap_policy=ModuleWrapPolicy({Block}),
-        sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=device,
+    model = apply_fsdp1(
+        build_tiny(cfg, seed=seed, device=device), device, sharding_strategy=ShardingStrategy.FULL_SHARD,
         backward_prefetch=getattr(BackwardPrefetch, backward_prefetch) if backward_prefetch else None,
         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -446,20 +446,18 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
     """On a GPU rank: the posts' FSDP1 setup, `FSDP(model, cpu_offload=CPUOffload(offload_params=True))`,
     wrapped per block, bf16 compute. Returns seconds per step and where the flat parameters live."""
     import torch
-    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
     from .dist import device
-    from .models import Block, random_batch
-    from .sharding import build_tiny, train_step
+    from .models import random_batch
+    from .sharding import apply_fsdp1, build_tiny, train_step
 
     dev = device()
     if dev.type != "cuda":
         raise ValueError("fsdp1_offload_run needs a GPU rank: FSDP1 refuses CPU ranks and offloads from a GPU.")
     # With offload_params=True FSDP1 keeps the sharded parameters on the CPU, so the model starts there.
-    model = FSDP(build_tiny(cfg, seed=seed, device="cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                 cpu_offload=CPUOffload(offload_params=True), device_id=dev,
-                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model = apply_fsdp1(build_tiny(cfg, seed=seed, device="cpu"), dev, cpu_offload=CPUOffload(offload_params=True),
+                        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     cfg = model.module.cfg
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []

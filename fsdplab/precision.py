@@ -173,22 +173,22 @@ def fsdp1_mixed_precision_on_rank(cfg=None) -> dict:
     """
     import warnings
 
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+    from torch.distributed.fsdp import MixedPrecision
 
     from .dist import device, rank
     from .models import TinyConfig, random_batch
-    from .sharding import build_tiny
+    from .sharding import apply_fsdp1, build_tiny
 
     warnings.filterwarnings("ignore", module="torch.distributed.fsdp")
     cfg = cfg or TinyConfig()
     out = {}
     try:
-        FSDP(build_tiny(cfg, device=device()), mixed_precision=torch.float16, device_id=device())
+        apply_fsdp1(build_tiny(cfg, device=device()), device(), per_block=False, mixed_precision=torch.float16)
         out["posts_call"] = "no error"
     except Exception as e:  # noqa: BLE001 - showing whatever the posts' call raises is the point
         out["posts_call"] = f"{type(e).__name__}: {e}"
     policy = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    model = FSDP(build_tiny(cfg, device=device()), mixed_precision=policy, device_id=device())
+    model = apply_fsdp1(build_tiny(cfg, device=device()), device(), per_block=False, mixed_precision=policy)
     records = []
     probe_norms(model, records)
     tokens, _ = random_batch(cfg, 2, seed=rank(), device=device())
@@ -262,19 +262,18 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
     """
     import warnings
 
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     from .dist import device, rank
     from .models import TinyConfig, random_batch
-    from .sharding import build_tiny, train_step
+    from .sharding import apply_fsdp1, build_tiny, train_step
 
     if scaler not in ("per-rank", "agree"):
         raise ValueError(f"scaler must be 'per-rank' or 'agree', got {scaler!r}.")
     warnings.filterwarnings("ignore", module="torch.distributed.fsdp")
     cfg = cfg or TinyConfig()
     dev = device()
-    model = FSDP(build_tiny(cfg, seed=seed, device=dev), device_id=dev)
+    model = apply_fsdp1(build_tiny(cfg, seed=seed, device=dev), dev, per_block=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     amp_scaler = (torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16) if scaler == "per-rank"
                   else ShardedGradScaler(dev.type, init_scale=2.0 ** 16))

@@ -99,6 +99,20 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | None = T
     return model
 
 
+def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, **fsdp1_options) -> nn.Module:
+    """The posts' API: `FullyShardedDataParallel(model, ...)` with one unit per block (ModuleWrapPolicy over
+    the blocks' class) when `per_block`, the whole model as one unit otherwise. `fsdp1_options` go to
+    FullyShardedDataParallel as they are (sharding_strategy, backward_prefetch, cpu_offload,
+    mixed_precision, ...). FSDP1 refuses CPU ranks for training; some lessons run single steps on a CPU
+    device anyway (device_id=cpu), which is enough for what they show."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if per_block:
+        fsdp1_options.setdefault("auto_wrap_policy", ModuleWrapPolicy({type(blocks_of(model)[0])}))
+    return FullyShardedDataParallel(model, device_id=torch.device(device), **fsdp1_options)
+
+
 def apply_ddp(model: nn.Module, device=None, process_group=None) -> nn.Module:
     """Classic DDP: every rank keeps everything; gradients are all-reduced in buckets."""
     from torch.nn.parallel import DistributedDataParallel

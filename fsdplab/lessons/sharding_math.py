@@ -48,7 +48,6 @@ def replica_bytes(strategy: str = "full_shard", group_size: int | None = None, c
     """Train the tiny transformer (fp32, Adam) with `strategy` ('ddp' is real DDP, 'shard_grad_op',
     'full_shard') over ranks 0..group_size-1 and `measure` it. Ranks outside the group return None; members
     return their MemoryReport with `detail['params']` = the model's parameter count."""
-    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..dist import device, this_rank, world_size
