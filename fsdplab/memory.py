@@ -184,7 +184,7 @@ def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -
     with fake_process_group(setting.world_size):
         # The mesh is built outside FakeTensorMode: it holds real (tiny) tensors of rank ids.
         mesh = init_device_mesh("cpu", (setting.world_size,))
-        net = build_model(setting.replace(model=config), device="meta")
+        net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
         say("model built on the meta device")
         with fake_tensor_mode(), eager_attention_masks():
             # peft and .to(dtype) fail inside FakeTensorMode; building on meta first and materialising
@@ -314,7 +314,7 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
                          f"use setting.replace(world_size={mesh().size()}).")
     torch.manual_seed(seed)
     config = config_of(setting.model)
-    net = build_model(setting.replace(model=config), device=device())
+    net = build_model(setting.replace(model=config), device=device(), dtype=setting.base_dtype)
     apply_fsdp(net, mesh(), reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
                per_block=setting.per_block)
     opt = make_optimizer(net, setting.optimizer)

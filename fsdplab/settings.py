@@ -52,6 +52,9 @@ class TrainSetting:
     strategy: str = "full_shard"
     # Compute dtype. FSDP keeps fp32 sharded parameters (the master copy) and reduces gradients in fp32.
     precision: str = "bf16"
+    # Storage dtype of the base model's weights: fp32 (the master copy FSDP casts from), or 16-bit as most
+    # LoRA runs load the frozen base (torch_dtype=bfloat16). LoRA adapters stay fp32 either way.
+    base_dtype: str = "fp32"
     # Optimizer: Adam/AdamW keep two fp32 states per trained parameter, SGD (momentum) one.
     optimizer: str = "adamw"
     # LoRA rank; None is a full fine-tune. alpha defaults to 2 * rank.
@@ -79,6 +82,7 @@ class TrainSetting:
             raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}.")
         check_choice("strategy", self.strategy, STRATEGIES)
         check_choice("precision", self.precision, PRECISIONS)
+        check_choice("base_dtype", self.base_dtype, PRECISIONS)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if isinstance(self.lora_targets, (list, tuple)):
             if not self.lora_targets or not all(isinstance(n, str) for n in self.lora_targets):

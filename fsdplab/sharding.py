@@ -199,12 +199,13 @@ def _fix_nonpersistent_buffers(model: nn.Module, device) -> None:
                 getattr(module, name).copy_(buffer.to(device))
 
 
-def build_sharded(setting: TrainSetting, mesh=None, *, device=None, model_path=None, dtype=None, seed: int = 0,
+def build_sharded(setting: TrainSetting, mesh=None, *, device=None, model_path=None, seed: int = 0,
                   trust_remote_code: bool = False) -> nn.Module:
     """The training model on every rank: meta build, LoRA + checkpointing, shard, `to_empty`, then the weights.
 
     Only rank 0 holds a full copy (random init from `seed`, or the checkpoint at `model_path`, plus the fresh
     adapters); every other rank receives just its shards by broadcast, so host memory stays one model, not N.
+    The base weights are stored in `setting.base_dtype`.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -216,7 +217,7 @@ def build_sharded(setting: TrainSetting, mesh=None, *, device=None, model_path=N
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    build = dict(dtype=dtype, model_path=model_path, trust_remote_code=trust_remote_code)
+    build = dict(dtype=setting.base_dtype, model_path=model_path, trust_remote_code=trust_remote_code)
     model = build_model(setting, device="meta", **build)
     apply_fsdp(model, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
                cpu_offload=setting.cpu_offload, per_block=setting.per_block)
@@ -285,19 +286,3 @@ def train_step(model: nn.Module, optimizer, batch, *, loss_fn=None, scaler=None,
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def train(model, optimizer, steps: int, cfg, batch_size: int = 4, device="cpu", seed: int = 0,
-          log_every: int = 0) -> list:
-    """A plain training loop on the toy task; each rank gets its own slice of data. Returns the losses."""
-    from .models import random_batch
-
-    rank = this_rank()
-    losses = []
-    for step in range(steps):
-        batch = random_batch(cfg, batch_size, seed=seed + 1000 * step + rank, device=device)
-        losses.append(train_step(model, optimizer, batch).item())
-        if log_every and (step % log_every == 0 or step == steps - 1) and rank == 0:
-            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
-    return losses
-

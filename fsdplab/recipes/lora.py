@@ -303,10 +303,11 @@ def main(argv=None) -> dict:
         setting = TrainSetting(model=model, world_size=world_size, precision=args.precision, lora_rank=args.lora_rank,
                                lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                                seq_len=args.seq_len or task.seq_len, batch_size=args.batch_size,
+                               base_dtype=args.model_dtype or "fp32",
                                activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
                                strategy="full_shard" if args.reshard_after_forward else "shard_grad_op")
-        model = build_sharded(setting, mesh, model_path=args.model_path, device=device, dtype=args.model_dtype,
-                              seed=args.seed, trust_remote_code=args.trust_remote_code)
+        model = build_sharded(setting, mesh, model_path=args.model_path, device=device, seed=args.seed,
+                              trust_remote_code=args.trust_remote_code)
         optimizer = make_optimizer(model, "adamw", lr=args.lr)
         if use_cuda:
             torch.cuda.reset_peak_memory_stats()
