@@ -108,9 +108,12 @@ class Dashboard:
     """
 
     def __init__(self, controls: dict, draw, title: str = "", figsize=(8, 4), dpi: int = 90):
+        import threading
+
         import ipywidgets as W
         import matplotlib.pyplot as plt
 
+        self._lock = threading.Lock()
         self.controls, self.draw, self.title, self.dpi = controls, draw, title, dpi
         self.figure = plt.figure(figsize=figsize)
         # Closed figures stay drawable but are no longer shown by the inline backend at the end of the
@@ -130,12 +133,14 @@ class Dashboard:
         return {name: control.value for name, control in self.controls.items()}
 
     def refresh(self):
-        self.figure.clear()
-        self.result = self.draw(self.figure, **self.values)
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png", dpi=self.dpi, bbox_inches="tight")
-        self.image.value = buffer.getvalue()
-        return self.result
+        # One redraw at a time: an exact estimate finishing in its thread may redraw while a control moves.
+        with self._lock:
+            self.figure.clear()
+            self.result = self.draw(self.figure, **self.values)
+            buffer = io.BytesIO()
+            self.figure.savefig(buffer, format="png", dpi=self.dpi, bbox_inches="tight")
+            self.image.value = buffer.getvalue()
+            return self.result
 
     def say(self, text: str) -> None:
         """Show `text` (monospace) under the figure, replacing what was there."""
@@ -153,6 +158,41 @@ class Dashboard:
         from IPython.display import display
 
         display(self.widget)
+
+
+def exact_in_background(dash, button, setting, done, wait: bool = False):
+    """Run `memory.estimate(setting)` in a subprocess from a worker thread, showing its progress lines in the
+    dashboard's status line and disabling `button` meanwhile; `done(report)` runs when it finishes.
+    wait=True (code, tests, papermill) blocks and returns the report; a click returns at once, so the
+    notebook stays usable for the tens of seconds a 7B estimate takes."""
+    import threading
+
+    from .memory import estimate
+
+    result: dict = {}
+
+    def work():
+        lines = [f"exact estimate of {setting.model_name} on {setting.world_size} ranks (fake tensors) ..."]
+        dash.say(lines[0])
+        try:
+            result["report"] = estimate(setting, subprocess_mode=True,
+                                        progress=lambda line: dash.say("\n".join(lines + [line])))
+            done(result["report"])
+        except Exception as e:  # noqa: BLE001 - shown in the dashboard; the notebook must not see a thread die
+            result["error"] = e
+            dash.say(f"exact estimate failed: {e}")
+        finally:
+            button.disabled = False
+
+    button.disabled = True     # before the thread starts: a second click cannot start a second estimate
+    thread = threading.Thread(target=work, daemon=True, name="fsdplab-exact-estimate")
+    thread.start()
+    if not wait:
+        return thread
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["report"]
 
 
 def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", precision="bf16", optimizer="adamw",
@@ -208,19 +248,20 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     dash = Dashboard(controls, draw, title="Per-GPU memory by strategy (formula)", figsize=(9, 4.2))
     button = W.Button(description="exact estimate", tooltip="run fsdplab.memory.estimate for this setting")
 
-    def run_exact(_button=None):
+    def run_exact(_button=None, wait=True):
         chosen = setting_of(dash.values)
         if chosen.strategy not in EXACT_STRATEGIES:
             dash.say(f"exact estimates cover FSDP2 ({', '.join(EXACT_STRATEGIES)}), not {chosen.strategy}.")
             return None
-        dash.say("running fsdplab.memory.estimate ...")
-        report = estimate(chosen)
-        dash.say(report.table(gpu_mem_gib=dash.values["gpu_mem_gib"]))
-        exact[chosen] = report
-        dash.refresh()
-        return report
 
-    button.on_click(run_exact)
+        def done(report):
+            exact[chosen] = report
+            dash.refresh()
+            dash.say(report.table(gpu_mem_gib=dash.values["gpu_mem_gib"]))
+
+        return exact_in_background(dash, button, chosen, done, wait=wait)
+
+    button.on_click(lambda _button: run_exact(wait=False))   # the kernel stays free while it runs
     dash.exact = run_exact
     dash.exact_button = button
     dash.widget = W.VBox([dash.widget, button])

@@ -128,7 +128,9 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
       unit being computed ("in flight"). Each parameter's dim 0 is padded to a multiple of the shard count.
 
     With fp32 every layout is 4 + 4 + 8. SGD keeps one momentum buffer (4 B), no step counter. Frozen
-    (LoRA base) weights keep no gradient and no optimizer state. Activations (transformers only):
+    (LoRA base) weights keep no gradient and no optimizer state. `base_dtype` bf16/fp16 stores the base weights
+    in 2 bytes (LoRA adapters stay fp32); a 16-bit base that is trained (no LoRA) keeps its gradients and
+    Adam's m and v in 16 bits too, with no fp32 master copy (2 + 2 + 4 bytes). Activations (transformers only):
     Korthikanti et al. s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations, where 5*a*s/h is the
     attention score matrices: flash / memory-efficient SDPA kernels (transformers' default, and what
     `estimate` runs) never store them, so `flash_attention=True` (the default) drops that term. With
@@ -146,6 +148,7 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     seq_len, batch_size, flash_attention = setting.seq_len, setting.batch_size, setting.flash_attention
     activation_checkpointing, cpu_offload = setting.activation_checkpointing, setting.cpu_offload
     w = 4 if precision == "fp32" else 2         # bytes of a compute-dtype element
+    base_b = 4 if setting.base_dtype == "fp32" else 2   # bytes of a stored base weight
     state_bytes = 8 if optimizer in ("adam", "adamw") else 4
     notes, detail = [], {}
 
@@ -167,11 +170,14 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     fsdp = strategy in FSDP_STRATEGIES
     if fsdp:
         shards = setting.shards
-        local = lambda pred: sum(shard_numel(s, shards) for s, t, _ in shapes if pred(t))  # noqa: E731
-        sharded_params = 4 * local(lambda t: True)
-        sharded_grads = 4 * local(lambda t: t)
-        opt = state_bytes * local(lambda t: t) + (4 * n_trainable_tensors if optimizer != "sgd" else 0)
-        padding = 4 * (local(lambda t: True) - math.ceil(total / shards))
+        # Bytes of one stored element: LoRA adapters are fp32, base weights are stored in base_dtype. Sharded
+        # gradients and Adam's m and v take the parameter's own dtype.
+        elem = lambda t: 4 if (t and lora_rank is not None) else base_b  # noqa: E731
+        local = lambda pred: sum(shard_numel(s, shards) * elem(t) for s, t, _ in shapes if pred(t))  # noqa: E731
+        sharded_params = local(lambda t: True)
+        sharded_grads = local(lambda t: t)
+        opt = state_bytes // 4 * local(lambda t: t) + (4 * n_trainable_tensors if optimizer != "sgd" else 0)
+        padding = sharded_params - sum(math.ceil(math.prod(s) / shards) * elem(t) for s, t, _ in shapes)
         detail.update(shards=shards, padding_bytes=padding)
         # The unsharded unit in flight, in the compute dtype.
         block_numel = sum(math.prod(s) for s, _, where in shapes if where == "block") // max(spec.num_layers, 1)
@@ -193,7 +199,13 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
         mixed = precision != "fp32"
         weight_b = w if mixed else 4
         master = 4 if mixed else 0
-        params = weight_b * total
+        if base_b == 2 and lora_rank is None:
+            # a 16-bit base trained as it is ("pure" bf16/fp16): no fp32 master copy, Adam's m and v in 16 bits
+            weight_b, master, state_bytes = 2, 0, state_bytes // 2
+            notes.append(f"{setting.base_dtype} base trained in place: no fp32 master copy, optimizer state in "
+                         f"{setting.base_dtype}.")
+        frozen = total - trainable
+        params = weight_b * trainable + min(weight_b, base_b) * frozen
         grads = weight_b * trainable / (n if strategy == "zero2" else 1)
         opt = (master + state_bytes) * trainable / (n if strategy in ("zero1", "zero2") else 1)
         if strategy == "ddp":

@@ -63,14 +63,26 @@ def test_bad_settings_raise_value_errors():
         TrainSetting(lora_rank=0)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_estimate_and_formula_agree_exactly_on_resident_shards(world_size):
+@pytest.mark.parametrize("world_size, extra", [(2, {}), (3, {}), (2, dict(lora_rank=8, base_dtype="bf16")),
+                                               (3, dict(base_dtype="fp16", precision="fp16"))])
+def test_estimate_and_formula_agree_exactly_on_resident_shards(world_size, extra):
     # World size 3 pads: kv projections have 64 rows, each rank keeps ceil(64/3) = 22.
-    est = estimate(model="tiny", world_size=world_size, seq_len=32, progress=False)
-    form = formula(model="tiny", world_size=world_size, seq_len=32)
+    est = estimate(model="tiny", world_size=world_size, seq_len=32, progress=False, **extra)
+    form = formula(model="tiny", world_size=world_size, seq_len=32, **extra)
     assert est.resident == form.resident
     assert (form.detail["padding_bytes"] > 0) == (world_size == 3)
     assert est.peak_bytes == sum(est.by_category.values())
+
+
+def test_a_16_bit_base_halves_the_frozen_weights():
+    fp32 = formula(model="qwen-7b", world_size=8, lora_rank=64).resident
+    bf16 = formula(model="qwen-7b", world_size=8, lora_rank=64, base_dtype="bf16").resident
+    adapters = bf16["gradients"]                 # fp32 LoRA weights: their sharded gradients have the same bytes
+    assert bf16["parameters"] - adapters == pytest.approx((fp32["parameters"] - adapters) / 2, rel=1e-6)
+    assert bf16["optimizer_state"] == fp32["optimizer_state"]
+    # Llama-2-7B trained in pure bf16 under DDP: 2 + 2 + 4 bytes per parameter, no master copy.
+    pure = formula(model="llama2-7b", world_size=8, strategy="ddp", base_dtype="bf16").resident
+    assert sum(pure.values()) == 8 * 6_738_415_616
 
 
 def test_cpu_offload_is_modelled_and_said():
@@ -141,3 +153,13 @@ def test_dashboard_draws_formula_and_set_changes_it():
     report = dash.exact()
     assert report.source == "estimate" and dash.result["exact"] is report
     assert report.peak_bytes < GIB
+    # A click runs the estimate in a thread: the call returns at once, the status line shows progress, the
+    # button is disabled until the report is drawn.
+    shown = []
+    dash.say = lambda text, say=dash.say: (shown.append(text), say(text))
+    dash.set(seq_len=128)
+    thread = dash.exact(wait=False)
+    assert dash.exact_button.disabled
+    thread.join(timeout=120)
+    assert not dash.exact_button.disabled and dash.result["exact"].settings["seq_len"] == 128
+    assert any("step 2/2 done" in text for text in shown) and "per-rank memory (estimate)" in shown[-1]

@@ -118,7 +118,7 @@ def lora_dashboard(gpu_gib: float = 24.0, **start):
     A10; the button runs the exact estimate for the current knobs (10-60 s) and marks it on the bar."""
     import ipywidgets as W
 
-    from ..display import Dashboard, exact_marker
+    from ..display import Dashboard, exact_in_background, exact_marker
     from ..formula import formula
 
     s = setting(**start)
@@ -161,16 +161,18 @@ def lora_dashboard(gpu_gib: float = 24.0, **start):
     dash = Dashboard(controls, draw, title="Qwen-7B LoRA per-GPU memory (formula; button: exact)", figsize=(7, 4))
     button = W.Button(description="exact estimate")
 
-    def run_exact(_button=None):
+    def run_exact(_button=None, wait=True):
         chosen = knobs_to_setting(dash.values)
-        dash.say("running fsdplab.memory.estimate (tens of seconds) ...")
-        [report] = exact([chosen], workers=1)
-        found[chosen] = report
-        result = dash.refresh()
-        dash.say(report.table(gpu_mem_gib=gpu_gib))
-        return result
 
-    button.on_click(run_exact)
+        def done(report):
+            found[chosen] = report
+            dash.refresh()
+            dash.say(report.table(gpu_mem_gib=gpu_gib))
+
+        report = exact_in_background(dash, button, chosen, done, wait=wait)
+        return dash.result if wait else report
+
+    button.on_click(lambda _button: run_exact(wait=False))   # the kernel stays free while it runs
     dash.exact = run_exact
     dash.widget = W.VBox([dash.widget, button])
     return dash
