@@ -12,6 +12,7 @@ communication_buffers, other.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -144,7 +145,8 @@ def estimate(setting: TrainSetting | None = None, /, *, progress=True, subproces
     is left.
 
     A process can hold one process group: where one exists already (on a rank), the estimate runs in a
-    fresh subprocess (`subprocess_mode=None` decides; True/False forces it).
+    fresh subprocess (`subprocess_mode=None` decides; True/False forces it). `progress` is True (print each
+    stage), False, or, in subprocess mode, a function that receives each progress line (the dashboards).
     """
     setting = as_setting(setting, **changes)
     check_choice("strategy (exact estimates)", setting.strategy, EXACT_STRATEGIES)
@@ -248,7 +250,7 @@ def _estimate_in_subprocess(setting: TrainSetting, progress) -> MemoryReport:
     for line in proc.stderr:                # progress lines, relayed as they come
         err_lines.append(line)
         if line.startswith("[estimate") and progress:
-            print(line.rstrip(), flush=True)
+            (progress if callable(progress) else functools.partial(print, flush=True))(line.rstrip())
     out = proc.stdout.read()
     if proc.wait() != 0:
         raise RuntimeError("the estimate subprocess failed:\n" + "".join(err_lines[-30:]))
