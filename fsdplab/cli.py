@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from .settings import LORA_TARGETS
+
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 
@@ -71,18 +73,54 @@ def print_table(rows) -> None:
         print(f"{lesson:<{width}}  {status:<6}  {seconds:7.1f}  {detail}")
 
 
+def _positive_ints(flag: str, text) -> list:
+    """'512,1024' -> [512, 1024]: the values of a flag that takes one number or a comma list."""
+    try:
+        values = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{flag} takes positive integers separated by commas (e.g. {flag} 4,8), got {text!r}.")
+    return list(dict.fromkeys(values))   # in the order given, each once
+
+
+def _lora_targets(text: str):
+    return text if text in LORA_TARGETS else tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def estimate_command(args) -> int:
-    """`fsdplab estimate`: print the per-category table (or one JSON object) and whether it fits."""
+    """`fsdplab estimate`: one setting -> the per-category table (or one JSON object) and whether it fits;
+    comma lists, --sweep or --plot -> every combination, as a table, one JSON object, or a heat map."""
     import json
 
     from .memory import estimate
+    from .models import resolve_model
     from .settings import TrainSetting
+    from .sweep import check, sweep
 
-    setting = TrainSetting(model=args.model, world_size=args.world_size, lora_rank=args.lora_rank,
-                           seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
+    seq_lens = _positive_ints("--seq-len", args.seq_len)
+    batch_sizes = _positive_ints("--batch-size", args.batch_size)
+    world_sizes = _positive_ints("--world-size", args.world_size)
+    if args.lora_targets != "all-linear" and args.lora_rank is None:
+        raise ValueError("--lora-targets chooses where LoRA adapters go: add --lora-rank (e.g. --lora-rank 16).")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}.")
+    setting = TrainSetting(model=resolve_model(args.model), world_size=world_sizes[0], lora_rank=args.lora_rank,
+                           lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
+                           batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,
                            optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
                            strategy="full_shard" if args.reshard_after_forward else "shard_grad_op",
                            cpu_offload=args.cpu_offload)
+    if args.sweep or args.plot or len(seq_lens) * len(batch_sizes) * len(world_sizes) > 1:
+        result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
+                       gpu_mem_gib=args.gpu_mem_gib, workers=args.workers)
+        if args.plot:
+            result.plot(args.plot)
+        print(json.dumps(result.to_dict()) if args.json else result.table())
+        if args.plot and not args.json:
+            print(f"heat map: {args.plot}")
+        return 0
+    check(setting)
     report = estimate(setting, progress=not args.json)
     if args.json:
         data = report.to_dict()
@@ -109,18 +147,30 @@ def main(argv=None) -> int:
                      help="papermill parameter for lessons that declare it, e.g. -p steps 200")
     run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
 
-    est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)")
-    est.add_argument("--model", default="qwen-7b", choices=list(MODELS))
-    est.add_argument("--world-size", type=int, default=8)
+    est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)",
+                         description="Exact per-GPU memory of a training setup on fake tensors (no GPU needed). "
+                                     "--seq-len, --batch-size and --world-size take comma lists: every combination "
+                                     "is estimated (a sweep).")
+    est.add_argument("--model", default="qwen-7b",
+                     help=f"a registered name ({', '.join(MODELS)}), a config.json, a model folder, or a Hub id "
+                          "(org/name; the local Hugging Face cache is tried first)")
+    est.add_argument("--world-size", default="8", help="GPUs, or a comma list (e.g. 4,8)")
     est.add_argument("--gpu-mem-gib", type=float, default=24.0)
     est.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tune)")
-    est.add_argument("--seq-len", type=int, default=2048)
-    est.add_argument("--batch-size", type=int, default=1)
-    est.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    est.add_argument("--lora-targets", default="all-linear",
+                     help="all-linear, attention, or module names separated by commas (e.g. q_proj,v_proj)")
+    est.add_argument("--seq-len", default="2048", help="tokens per sequence, or a comma list (e.g. 512,1024,2048)")
+    est.add_argument("--batch-size", default="1", help="micro-batch per GPU, or a comma list (e.g. 1,2,4)")
+    est.add_argument("--precision", default="bf16", choices=PRECISIONS, help="compute dtype")
+    est.add_argument("--base-dtype", default="fp32", choices=PRECISIONS,
+                     help="storage dtype of the base weights (16-bit is how most LoRA runs load the frozen base)")
     est.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     est.add_argument("--activation-checkpointing", action="store_true")
     est.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
     est.add_argument("--cpu-offload", action="store_true")
+    est.add_argument("--sweep", action="store_true", help="sweep output (table / JSON of points) even for one point")
+    est.add_argument("--plot", metavar="FILE.png", help="write a heat map of the per-GPU peak (implies a sweep)")
+    est.add_argument("--workers", type=int, default=2, help="estimates run in parallel during a sweep (default 2)")
     est.add_argument("--json", action="store_true", help="print one JSON object")
 
     args = parser.parse_args(argv)
@@ -135,8 +185,8 @@ def main(argv=None) -> int:
                 print(f"\n{len(failed)} lesson(s) failed; the executed notebooks in {args.out}/ show where.")
             return 1 if failed else 0
         return estimate_command(args)
-    except ValueError as e:
-        print(f"fsdplab: {e}", file=sys.stderr)
+    except ValueError as e:  # a user mistake: one line with the fix, no traceback
+        print("fsdplab: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
         return 2
 
 

@@ -194,3 +194,151 @@ def blocks_of(model: nn.Module) -> list:
         if isinstance(module, nn.ModuleList) and num_layers and len(module) == num_layers:
             return list(module)
     raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}; pass blocks= explicitly.")
+
+
+# --- the user's own model: a config file, a model folder or a Hub id --------------------------------------
+
+def resolve_model(text: str):
+    """What `--model TEXT` names: a registered name (returned as is), or the transformers config of a local
+    config.json, a model folder, or a Hub id ("org/name": the local Hugging Face cache first, offline, then
+    the Hub). Every other case raises ValueError with the fix."""
+    from pathlib import Path
+
+    if text in MODELS:
+        return text
+    path = Path(text).expanduser()
+    if path.exists():
+        return _config_from_path(path, text)
+    if text.endswith(".json") or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise ValueError(f"no such file or folder: {text}; pass a config.json, a model folder, a registered "
+                         f"name ({', '.join(MODELS)}) or a Hub id such as Qwen/Qwen2-7B.")
+    config = _config_from_cache(text)
+    if config is None and "/" in text:
+        config = _config_from_hub(text)
+    if config is None:
+        raise ValueError(_unknown_name(text))
+    return _named(check_causal_lm(config), text)
+
+
+def _unknown_name(text: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(text, list(MODELS), n=3, cutoff=0.5)
+    listed = " or ".join(close) if len(close) < 3 else f"{', '.join(close[:-1])} or {close[-1]}"
+    hint = f"did you mean {listed}? " if close else ""
+    return (f"unknown model {text!r}: {hint}Use a registered name ({', '.join(MODELS)}), a config.json, a model "
+            f"folder, or a Hub id such as Qwen/Qwen2-7B.")
+
+
+def _config_from_path(path, text: str):
+    """The config of a config.json or of a folder holding one; the JSON is read here first so that a file
+    that does not parse is named with the line and column."""
+    import json
+
+    from transformers import AutoConfig
+
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{text} has no config.json: pass the folder of a Hugging Face model (the one holding "
+                         f"config.json) or the config file itself.")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ValueError(f"{file} is not valid JSON ({where}); fix the file or download it again.") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{file} has no \"model_type\" key, so transformers cannot tell which architecture it "
+                         "describes; add one (e.g. \"model_type\": \"llama\") or use the model's own config.json.")
+    try:
+        config = AutoConfig.from_pretrained(str(file), trust_remote_code=False)
+    except ValueError as e:
+        raise ValueError(_config_error(file, e, data)) from None
+    return _named(check_causal_lm(config), text)
+
+
+def _config_error(where, error, data=None) -> str:
+    """AutoConfig's refusal of a config that parsed, as one line with the fix."""
+    import transformers
+
+    model_type = f"model type {data['model_type']!r}" if data else "its model type"
+    if (data and "auto_map" in data) or "trust_remote_code" in str(error):
+        return (f"{where}: {model_type} needs the model's own Python code (auto_map), which the estimator does "
+                "not run; use a model whose architecture transformers ships.")
+    return (f"{where}: transformers {transformers.__version__} does not know {model_type}; upgrade "
+            "transformers (pip install -U transformers) or fix model_type in the config.")
+
+
+def _config_from_cache(repo_id: str):
+    """The config of `repo_id` from the local Hugging Face cache, or None when it is not there."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(repo_id, local_files_only=True, trust_remote_code=False)
+    except OSError:
+        return None
+    except ValueError as e:
+        raise ValueError(_config_error(repo_id, e)) from None
+
+
+def _config_from_hub(repo_id: str):
+    """The config of `repo_id` from the Hub. The Hub is probed first: without a network, transformers retries
+    for half a minute before it gives up."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from transformers import AutoConfig
+
+    fix = (f"download it where there is a network (hf download {repo_id} config.json, or copy its config.json "
+           "here) and pass the file or folder, or copy the Hugging Face cache (~/.cache/huggingface) here.")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        raise ValueError(f"{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {fix}")
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError:
+        raise ValueError(f"{repo_id} is not in the local Hugging Face cache and the Hub ({host}) cannot be "
+                         f"reached: {fix}") from None
+    try:
+        return AutoConfig.from_pretrained(repo_id, trust_remote_code=False)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load the config of {repo_id} from the Hub ({first}); check the name, or log in "
+                         "(hf auth login) for a gated model.") from None
+    except ValueError as e:
+        raise ValueError(_config_error(repo_id, e)) from None
+
+
+def _named(config, text: str):
+    config.name_or_path = text     # the model's label in reports: what the user typed
+    return config
+
+
+def architecture_of(config) -> str:
+    """A config's architecture as people name it: its `architectures` entry, else the causal-LM class
+    transformers builds for it, else its config class."""
+    names = getattr(config, "architectures", None) or []
+    if names:
+        return names[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
+    return f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')!r})"
+
+
+def check_causal_lm(config):
+    """`config`, if transformers can build it as a causal (decoder-only) LM; else ValueError naming it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"transformers cannot build {architecture_of(config)} as a causal language model "
+                         "(AutoModelForCausalLM): the estimator sizes decoder-only models such as Llama, Qwen2, "
+                         "Mistral, Gemma or GPT-NeoX.")
+    if not hasattr(config, "hidden_size"):   # a multimodal model: the language model's sizes are nested
+        text = config.get_text_config() if hasattr(config, "get_text_config") else None
+        text_type = f"model_type {text.model_type!r}" if text is not None and text is not config else "its text model"
+        raise ValueError(f"{architecture_of(config)} is a multimodal model (its language model's sizes are in a nested "
+                         f"text config); the estimator sizes the language model alone: pass a config.json holding "
+                         f"its text_config section with {text_type}.")
+    return config

@@ -1,0 +1,199 @@
+"""Exact estimates over a grid of sequence lengths, micro-batches and world sizes: "which of these runs fit on
+my GPUs?" as a table, one JSON object or a heat map.
+
+`check(setting)` rejects what would only fail minutes into a run (a sequence longer than the model's
+positions, LoRA targets that match no module, an architecture transformers cannot build), by building the
+model on the meta device once. `sweep(...)` then estimates every point in worker processes, one per core:
+each estimate is single-threaded Python dispatch on fake tensors, so two processes on two cores take about half
+the time of one, and a worker that stays up pays the cold start (imports, first-call set-up: about 10 s at 7B)
+once, not once per point.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .memory import MemoryReport, estimate
+from .settings import GIB, MIB, TrainSetting
+
+# Variables a worker must not inherit: with them it would think it is a rank of the caller's process group.
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# --- checks before any estimate runs -----------------------------------------------------------------------
+
+def check(setting: TrainSetting) -> None:
+    """ValueError, with the fix, for a setting the estimator would reject late or confusingly."""
+    from .models import architecture_of, config_of
+    from .sharding import build_model
+
+    config = config_of(setting.model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and setting.seq_len > limit:
+        raise ValueError(f"seq_len {setting.seq_len} is over the model's maximum ({limit} positions, "
+                         f"max_position_embeddings): use --seq-len {limit} or less.")
+    try:
+        build_model(setting, device="meta", dtype=setting.base_dtype)
+    except Exception as e:
+        if isinstance(e, ValueError) and "not found in the base model" in str(e):  # peft: targets match nothing
+            from .sharding import lora_target_modules
+
+            names = sorted(_linear_names(setting))
+            raise ValueError(f"LoRA targets {lora_target_modules(setting.lora_targets)} match no module of "
+                             f"{architecture_of(config)}; its Linear layers are {', '.join(names)}: pass some of "
+                             "these, comma-separated, or --lora-targets all-linear."
+                             ) from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"transformers cannot build {architecture_of(config)} on the meta device "
+                         f"({type(e).__name__}: {first}); check the config.") from None
+
+
+def _linear_names(setting: TrainSetting) -> set:
+    """Names of the Linear layers inside the blocks (what LoRA targets), from a meta build without LoRA."""
+    from torch import nn
+
+    from .models import blocks_of, causal_lm
+
+    model = causal_lm(setting.model)
+    return {name.rsplit(".", 1)[-1] for block in blocks_of(model)[:1]
+            for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+
+
+# --- the grid ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Sweep:
+    """Reports of one setting at every (world_size, seq_len, batch_size) of a grid."""
+
+    setting: TrainSetting
+    seq_lens: list
+    batch_sizes: list
+    world_sizes: list
+    gpu_mem_gib: float
+    reports: dict = field(default_factory=dict)   # (world_size, seq_len, batch_size) -> MemoryReport
+    seconds: float = 0.0
+    workers: int = 1
+
+    def points(self):
+        """(world_size, seq_len, batch_size) in table order."""
+        return list(itertools.product(self.world_sizes, self.seq_lens, self.batch_sizes))
+
+    def unit(self):
+        """("GiB", bytes per GiB), or MiB for models too small to show in GiB."""
+        largest = max(report.peak_bytes for report in self.reports.values())
+        return ("GiB", GIB) if largest >= GIB / 4 else ("MiB", MIB)
+
+    def grid(self, world_size: int, per=GIB) -> list:
+        """Peak per GPU in units of `per` bytes, rows micro-batch, columns sequence length (the heat map's
+        layout)."""
+        return [[self.reports[world_size, s, b].peak_bytes / per for s in self.seq_lens] for b in self.batch_sizes]
+
+    def table(self) -> str:
+        s = self.setting
+        unit, per = self.unit()
+        lines = [f"exact per-GPU peak ({unit}) of {s.model_name}, {_describe(s)}: {len(self.reports)} points in "
+                 f"{self.seconds:.0f} s ({self.workers} worker{'s' if self.workers > 1 else ''}); "
+                 f"* = does not fit in {self.gpu_mem_gib:g} GiB"]
+        for world_size in self.world_sizes:
+            lines += ["", f"world size {world_size}", "  batch \\ seq " + "".join(f"{s:>10}" for s in self.seq_lens)]
+            for b, row in zip(self.batch_sizes, self.grid(world_size, per)):
+                cells = "".join(f"{value:9.2f}{'*' if value * per > self.gpu_mem_gib * GIB else ' '}" for value in row)
+                lines.append(f"  {b:>11} " + cells)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        points = []
+        for key in self.points():
+            report = self.reports[key]
+            point = dict(zip(("world_size", "seq_len", "batch_size"), key))
+            point.update(peak_gib=round(report.peak_bytes / GIB, 4), fits=report.fits(self.gpu_mem_gib),
+                         **{k: v for k, v in report.to_dict().items() if k != "world_size"})
+            points.append(point)
+        return {"setting": self.setting.to_dict(), "gpu_mem_gib": self.gpu_mem_gib, "seq_lens": self.seq_lens,
+                "batch_sizes": self.batch_sizes, "world_sizes": self.world_sizes, "seconds": self.seconds,
+                "workers": self.workers, "points": points}
+
+    def plot(self, path) -> None:
+        """A heat map per world size (rows micro-batch, columns sequence length), hatched over the card."""
+        from matplotlib.figure import Figure
+
+        from .display import draw_heatmap
+
+        unit, per = self.unit()
+        capacity = self.gpu_mem_gib * GIB / per     # the card, in the plot's unit
+        panels = len(self.world_sizes)
+        fig = Figure(figsize=(max(6.5, (2.4 + 0.9 * len(self.seq_lens)) * panels), 1.8 + 0.6 * len(self.batch_sizes)),
+                     layout="constrained")
+        for ax, world_size in zip(fig.subplots(1, panels, squeeze=False)[0], self.world_sizes):
+            image = draw_heatmap(ax, self.seq_lens, self.batch_sizes, self.grid(world_size, per), gpu_gib=capacity)
+            bar = fig.colorbar(image, ax=ax, label=f"peak per GPU ({unit})")
+            bar.ax.axhline(capacity, color="black", linewidth=2)
+            low, high = image.norm.vmin, image.norm.vmax   # a tick at the card, none crowding it
+            bar.set_ticks([t for t in bar.get_ticks() if low <= t <= high and abs(t - capacity) > (high - low) / 12]
+                          + [capacity])
+            ax.set_title(f"world size {world_size}", fontsize=10)
+        fig.suptitle(f"{self.setting.model_name}: {_describe(self.setting)}\nexact peak per GPU ({unit}); "
+                     f"hatched: over the {self.gpu_mem_gib:g} GiB card (black line)", fontsize=9)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def _describe(s: TrainSetting) -> str:
+    parts = [f"LoRA r={s.lora_rank}" if s.lora_rank else "full fine-tune", s.strategy, f"{s.precision} compute",
+             f"{s.base_dtype} base", s.optimizer]
+    if s.activation_checkpointing:
+        parts.append("checkpointing")
+    if s.cpu_offload:
+        parts.append("cpu offload")
+    return ", ".join(parts)
+
+
+def sweep(setting: TrainSetting, *, seq_lens=None, batch_sizes=None, world_sizes=None, gpu_mem_gib=24.0,
+          workers: int = 2, progress: bool = True) -> Sweep:
+    """Exact estimates of `setting` at every combination of the given values (None: the setting's own),
+    `workers` at a time in worker processes; a progress bar on stderr while they run."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import multiprocessing
+
+    from tqdm.auto import tqdm
+
+    result = Sweep(setting, list(seq_lens or [setting.seq_len]), list(batch_sizes or [setting.batch_size]),
+                   list(world_sizes or [setting.world_size]), gpu_mem_gib)
+    settings = {key: setting.replace(world_size=key[0], seq_len=key[1], batch_size=key[2])
+                for key in result.points()}
+    # what check() rejects depends on the model, LoRA and the longest sequence only
+    check(max(settings.values(), key=lambda point: point.seq_len))
+    result.workers = max(1, min(workers, len(settings)))
+    t0 = time.perf_counter()
+    # spawn: a fresh interpreter per worker (a fork of a process with torch's threads, or of a rank, is unsafe)
+    with ProcessPoolExecutor(result.workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init_worker) as pool, \
+            tqdm(total=len(settings), desc="estimate", unit="point", file=sys.stderr, disable=not progress) as bar:
+        futures = {pool.submit(_estimate_point, point): key for key, point in settings.items()}
+        try:
+            for future in as_completed(futures):
+                key = futures[future]
+                result.reports[key] = report = future.result()
+                bar.set_postfix_str(f"world {key[0]} seq {key[1]} x{key[2]}: {report.peak_bytes / GIB:.2f} GiB")
+                bar.update()
+        except BaseException:   # a failed point or Ctrl-C: do not start the points still queued
+            for future in futures:
+                future.cancel()
+            raise
+    result.seconds = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def _init_worker():
+    for name in _RANK_ENV:
+        os.environ.pop(name, None)
+    import torch
+
+    torch.set_num_threads(1)   # one core per worker: the other worker has the other
+
+
+def _estimate_point(setting: TrainSetting) -> MemoryReport:
+    return estimate(setting, progress=False, subprocess_mode=False)
