@@ -2,7 +2,7 @@
 models at their real sizes (built on the meta device: shapes without memory), plus tiny twins of the same
 architecture that train in seconds on CPU ranks.
 
-Adding a model is one entry in `MODELS`: the formula's sizes, the CLI's choices, the dashboards' lists and
+Adding a model is one entry in `MODELS`: the formula's sizes, the CLI's model names, the dashboards' lists and
 the tiny twins all derive from it.
 """
 
