@@ -3,7 +3,10 @@
 - The exact memory estimator runs a real training step of a full-size model in one process with nothing
   behind the tensors: a fake process group of any world size (`FakeStore` + the "fake" backend), fake
   tensors (`FakeTensorMode`) and FSDP2's memory tracker (`FSDPMemTracker`), which sorts every live tensor
-  into parameters, gradients, optimizer state, activations and communication buffers.
+  into parameters, gradients, optimizer state, activations and communication buffers. Its shortcuts, none
+  of which changes a byte it reports, read FakeTensorMode's dispatch table and the dispatch-mode stack
+  (`.device` queries answered in the tracker), a DTensor's local tensor (the optimizer steps local shards)
+  and FSDP2's lazy init and units (its state after a first forward, set up without running one).
 - The byte counter is a `TorchDispatchMode`, labels FSDP2's collectives with their unit (`FSDPParamGroup`),
   tells forward from backward (the autograd engine's graph task id) and names process groups
   (`_resolve_process_group`); the timeline aligns ranks on the profiler's trace start (kineto results).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from typing import Callable, NamedTuple
 
 # The tracker's own category names, mapped to the six categories fsdplab reports.
 TRACKER_TO_CATEGORY = {
@@ -83,7 +87,8 @@ def check_private_apis() -> None:
         missing = sorted(set(TRACKER_TO_CATEGORY) - names)
         if missing:
             problems.append(f"tracker categories renamed: {missing} not in {sorted(names)}")
-        for cls, attrs in ((MemTracker, ("_update_peak_stats", "_curr_mem_snap", "get_tracker_snapshot")),
+        for cls, attrs in ((MemTracker, ("_update_peak_stats", "_update_snap", "_curr_mem_snap",
+                                         "get_tracker_snapshot")),
                            (FSDPMemTracker, ("track_inputs", "reset_mod_stats"))):
             for attr in attrs + ("_peak_mem", "_peak_mem_snap"):
                 if not hasattr(cls, attr) and attr not in MemTracker().__dict__:
@@ -100,11 +105,36 @@ def check_private_apis() -> None:
         from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: F401
     except ImportError as e:
         problems.append(f"torch.distributed.distributed_c10d._resolve_process_group: {e}")
+    problems += _estimator_private_api_problems()
     if problems:
         import torch
 
         raise PrivateAPIError(f"torch {torch.__version__} changed private APIs fsdplab uses:\n  "
                               + "\n  ".join(problems) + "\n" + _ADVICE)
+
+
+def _estimator_private_api_problems() -> list:
+    """What the estimator's shortcuts use (fake_device_query, local_shard, _PeakTracker.settle_fsdp)."""
+    problems = []
+    try:
+        fake_device_query()
+    except PrivateAPIError as e:
+        problems.append(e.args[0].split(" uses: ", 1)[1].removesuffix(" " + _ADVICE))
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+        from torch.distributed.tensor import DTensor
+
+        for cls, attr in ((DTensor, "_local_tensor"), (FSDPModule, "_get_fsdp_state"), (FSDPState, "_lazy_init"),
+                          (FSDPState, "_fsdp_param_group"), (FSDPParam, "unsharded_param"),
+                          (MemTracker, "_update_and_maybe_create_winfos")):
+            if not hasattr(cls, attr):
+                problems.append(f"{cls.__name__}.{attr} is gone")
+    except ImportError as e:
+        problems.append(f"FSDP2 / DTensor internals: {e}")
+    return problems
 
 
 # --- the byte counter: FSDP2 units, forward vs backward, group names -----------------------------------------
@@ -205,6 +235,47 @@ def fsdp1_default_state_dict_type() -> str:
 
 # --- the memory estimator ------------------------------------------------------------------------------------
 
+class _DeviceQuery(NamedTuple):
+    op: object                  # torch.ops.prim.device.default
+    fake_tensor: type           # FakeTensor
+    answer: Callable            # FakeTensorMode's own answer: answer(args) -> torch.device
+    fake_mode_is_next: Callable  # () -> True if the next mode down the dispatch stack is a FakeTensorMode
+    active_fake_mode: Callable  # torch._guards.active_fake_mode, as the trackers use it
+
+
+def fake_device_query() -> _DeviceQuery:
+    """What the memory tracker needs to answer `.device` queries on fake tensors itself, as FakeTensorMode
+    would (see `_PeakTracker.__torch_dispatch__`)."""
+    import torch
+
+    try:
+        from torch._guards import active_fake_mode
+        from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
+
+        depth, mode_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+    except (ImportError, AttributeError) as e:
+        raise _missing("FakeTensorMode's _DISPATCH_META_HANDLERS, torch._guards.active_fake_mode or "
+                       "torch._C's dispatch-mode stack", e) from None
+    op = torch.ops.prim.device.default
+    if op not in _DISPATCH_META_HANDLERS:
+        raise _missing("torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS", "no prim.device entry")
+
+    def fake_mode_is_next() -> bool:
+        n = depth()
+        return n > 0 and isinstance(mode_at(n - 1), FakeTensorMode)
+
+    return _DeviceQuery(op, FakeTensor, _DISPATCH_META_HANDLERS[op], fake_mode_is_next, active_fake_mode)
+
+
+def local_shard(dtensor):
+    """The local tensor a DTensor wraps, the object itself. (`to_local()` on a Parameter(DTensor) returns a
+    new view at every call: an optimizer stepping the shards keys its state by the shard, which must not
+    change from step to step.)"""
+    try:
+        return dtensor._local_tensor
+    except AttributeError as e:
+        raise _missing("DTensor._local_tensor", e) from None
+
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int):
@@ -274,14 +345,40 @@ class _PeakTracker:
     maximum, and the peak of what stays on the device when sharded parameters, gradients and optimizer
     state are offloaded to the host."""
 
+    # `_snap_changes` counts the changes to the live bytes (an allocation, a free, a resize, a relabel), and
+    # `_snap_seen` is its value at the last look for peaks: the peaks are a function of the live bytes, so
+    # an op that changed none (a view, a scalar read) cannot move them and `_update_peak_stats` skips it.
+    _snap_changes, _snap_seen = 0, -1
+
     def _init_peaks(self, key_category: dict, offloaded_keys: set):
         self._key_category, self._offloaded_keys = key_category, offloaded_keys
         self.offload_peak, self.offload_peak_snap = 0, {}
         self.category_max, self.offload_category_max = {}, {}
+        self._device_query = fake_device_query()
+
+    def _update_snap(self, *args, **kwargs):
+        super()._update_snap(*args, **kwargs)
+        self._snap_changes += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Three in five ops of a step on fake tensors are `.device` queries, which neither allocate nor free.
+        # The base class passes each on to FakeTensorMode, tracks no output and looks for new peaks. Where
+        # FakeTensorMode is next, answer as it does (its first check) and look for peaks only where the
+        # base class would find something new: bytes moved since the last op, outside DTensor's sharding
+        # propagation.
+        query = self._device_query
+        if func is query.op and type(args[0]) is query.fake_tensor and query.fake_mode_is_next():
+            if self._snap_seen != self._snap_changes and query.active_fake_mode() is self._fake_mode_on_entry:
+                self._update_peak_stats(None)
+            return query.answer(args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state):
         # The base class also refreshes a per-module peak for every live module on every op, which costs a
         # sixth of an estimate's time; fsdplab reports only the global peaks, kept here.
+        if self._snap_seen == self._snap_changes:
+            return
+        self._snap_seen = self._snap_changes
         for dev, snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev] = snap["Total"]
@@ -304,12 +401,40 @@ class _PeakTracker:
             if on_device > self.offload_peak:
                 self.offload_peak, self.offload_peak_snap = on_device, dict(snap)
 
+    def settle_fsdp(self, model) -> bool:
+        """Leave the FSDP2 `model` as its first forward leaves it for every later step, without running it:
+        FSDP2's lazy init (the root, the communication state, unevenly sharded parameters re-padded into new
+        tensors) and each unit's unsharded-parameter buffers, allocated by a first all-gather, labelled
+        "Unsharded Param" as the tracker's pre-forward hook labels them, and freed by a reshard (later steps
+        re-allocate the same storages in place). False, doing nothing, for a model that is not FSDP2."""
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+        from torch.distributed.fsdp import FSDPModule
+
+        if not (isinstance(model, FSDPModule) and isinstance(self, FSDPMemTracker)):
+            return False
+        try:
+
+            model._get_fsdp_state()._lazy_init()
+            for module in model.modules():
+                if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group):
+                    module.unshard()
+                    for fsdp_param in group.fsdp_params:
+                        self._update_and_maybe_create_winfos(fsdp_param.unsharded_param,
+                                                             _FSDPRefType.UNSHARDED_PARAM)
+                    module.reshard()
+        except AttributeError as e:
+            raise _missing("FSDP2 internals (FSDPModule._get_fsdp_state, FSDPState._lazy_init / "
+                           "_fsdp_param_group, FSDPParamGroup.fsdp_params, FSDPParam.unsharded_param) or "
+                           "MemTracker._update_and_maybe_create_winfos", e) from None
+        return True
+
     def reset_peak(self):
         """Forget the peak so far: the next one is measured from what is live now."""
         self._peak_mem_snap = self.get_tracker_snapshot()
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
         self.offload_peak, self.offload_peak_snap = 0, {}
         self.category_max, self.offload_category_max = {}, {}
+        self._snap_seen = -1
         self.reset_mod_stats()
 
     def current(self) -> dict:

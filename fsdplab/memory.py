@@ -86,11 +86,23 @@ class MemoryReport:
 
 # --- training steps under the tracker (shared by estimate and measure) ------------------------------------
 
-def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offload=False):
+class _ParameterWithoutGradient(Exception):
+    """A trainable parameter got no gradient, so a real first step would have given it no optimizer state."""
+
+
+def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offload=False,
+               state_only_first=False):
     """`steps` training steps under a tracker. Step 1 only creates the optimizer state; each later step's
     peak is recorded and the lowest is kept (identical on fake tensors; on CPU ranks gloo's worker thread
     sometimes frees a collective's buffer a moment late, which only ever adds). Returns
-    (peak, by_category, raw, category_peaks, live categories after backward, after the optimizer step)."""
+    (peak, by_category, raw, category_peaks, live categories after backward, after the optimizer step).
+
+    state_only_first (FSDP2 models; the estimator): step 1 does not run the model. It leaves behind what a
+    real step 1 leaves for the next: FSDP2 settled as after its first forward (tracker.settle_fsdp) and the
+    optimizer state, from a step on zero gradients. On fake tensors an op costs the same whatever its size,
+    and forward and backward are nearly all of a step's ops: this saves a quarter of a 7B estimate. Raises
+    _ParameterWithoutGradient if a later backward leaves a trainable parameter without a gradient (a real
+    step 1 would have given it no state): the caller then starts again without the shortcut."""
     from ._torch_private import make_tracker
     from .sharding import train_step
 
@@ -103,16 +115,23 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
         tracker_inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
     if hasattr(tracker, "track_inputs"):
         tracker.track_inputs(tracker_inputs)
-    snaps, records = {}, []
+    snaps, records, skipped = {}, [], []
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
 
     def after_backward():
         snaps["backward"] = tracker.current()
+        if skipped and any(p.grad is None for p in trained):
+            raise _ParameterWithoutGradient()
 
     with tracker:
         for step in range(steps):
             if step > 0:
                 tracker.reset_peak()
-            train_step(model, optimizer, batch, loss_fn=loss_fn, after_backward=after_backward)
+            if step == 0 and state_only_first and tracker.settle_fsdp(model):
+                _optimizer_state_step(model, optimizer, batch, trained)
+                skipped.append(step)
+            else:
+                train_step(model, optimizer, batch, loss_fn=loss_fn, after_backward=after_backward)
             # zero_grad has run: parameters and optimizer state are what they were right after the step
             snaps["step"] = tracker.current()
             if step > 0:
@@ -122,6 +141,23 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     peak, by_category, raw, _ = min(records, key=lambda r: r[0])
     category_peaks = {c: min(r[3][c] for r in records) for c in records[0][3]}
     return peak, by_category, raw, category_peaks, snaps["backward"], snaps["step"]
+
+
+def _optimizer_state_step(model, optimizer, batch, trained) -> None:
+    """Step 1 without the model: train_step with a constant loss, whose backward reaches no parameter, and
+    zero gradients for the trained parameters after it. The optimizer step then creates the state a real
+    step creates (zeros_like of each parameter, or a clone of its gradient: the same shapes and dtypes)."""
+    import torch
+
+    from .sharding import train_step
+
+    def zero_gradients():
+        with torch.no_grad():
+            for p in trained:
+                p.grad = torch.zeros_like(p)
+
+    train_step(model, optimizer, batch, loss_fn=lambda model, batch: torch.zeros((), requires_grad=True),
+               after_backward=zero_gradients)
 
 
 def _resident(after_backward: dict, after_step: dict) -> dict:
@@ -172,35 +208,18 @@ def _progress_printer(enabled, label, stream=None):
 def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -> MemoryReport:
     import warnings
 
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
     from .models import config_of
-    from .sharding import apply_fsdp, build_model, make_optimizer
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}", progress_stream)
     t0 = time.perf_counter()
     config = config_of(setting.model)
-    with fake_process_group(setting.world_size):
-        # The mesh is built outside FakeTensorMode: it holds real (tiny) tensors of rank ids.
-        mesh = init_device_mesh("cpu", (setting.world_size,))
-        net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
-        say("model built on the meta device")
-        with fake_tensor_mode(), eager_attention_masks():
-            # peft and .to(dtype) fail inside FakeTensorMode; building on meta first and materialising
-            # here with to_empty avoids that.
-            net.to_empty(device="cpu")
-            apply_fsdp(net, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
-                       per_block=setting.per_block)
-            opt = make_optimizer(net, setting.optimizer)
-            tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len))
-            batch = {"input_ids": tokens, "labels": tokens}
-            say("sharded; running two training steps")
-            peak, by_category, raw, category_peaks, after_backward, after_step = _run_steps(
-                net, opt, batch, 2, progress=say, offload=setting.cpu_offload)
-        del net, opt
+    try:
+        run = _fake_steps(setting, config, say, state_only_first=True)
+    except _ParameterWithoutGradient:
+        say("a trainable parameter gets no gradient: starting again with a full first step")
+        run = _fake_steps(setting, config, say, state_only_first=False)
+    peak, by_category, raw, category_peaks, after_backward, after_step = run
     notes = ["exact for this program on fake tensors; the CUDA context (~0.3-0.5 GiB), allocator "
              "fragmentation and NCCL buffers come on top on a real GPU."]
     if setting.cpu_offload:
@@ -216,6 +235,91 @@ def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -
                         settings=setting.to_dict(), notes=notes, source="estimate",
                         resident=_resident(after_backward, after_step), detail=raw, category_peaks=category_peaks,
                         seconds=round(time.perf_counter() - t0, 2))
+
+
+def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
+    """Build `setting`'s model on fake tensors in a fake process group, shard it, and `_run_steps` it."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
+    from .sharding import apply_fsdp, build_model, make_optimizer
+
+    with fake_process_group(setting.world_size):
+        # The mesh is built outside FakeTensorMode: it holds real (tiny) tensors of rank ids.
+        mesh = init_device_mesh("cpu", (setting.world_size,))
+        # peft and .to(dtype) fail inside FakeTensorMode: the model is built on the meta device, sharded there
+        # (FSDP2's meta-device init, half the time of sharding fake tensors) and materialised as fake tensors
+        # by to_empty, after which FSDP2 re-pads the shards, as it does for real runs built on meta.
+        net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
+        say("model built on the meta device")
+        _untie_parameters(net)
+        apply_fsdp(net, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
+                   per_block=setting.per_block)
+        with fake_tensor_mode(), eager_attention_masks():
+            net.to_empty(device="cpu")
+            opt = make_optimizer(net, setting.optimizer)
+            _step_local_shards(opt)
+            tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len))
+            batch = {"input_ids": tokens, "labels": tokens}
+            say("sharded; running two training steps")
+            return _run_steps(net, opt, batch, 2, progress=say, offload=setting.cpu_offload,
+                              state_only_first=state_only_first)
+
+
+def _untie_parameters(model) -> None:
+    """Give each module its own copy of a parameter it shares with another (tied input and output embeddings),
+    as the estimator always had them: it used to materialise the model before sharding it, and `to_empty`
+    from meta to fake tensors makes a new parameter for each module, while sharding on the meta device keeps
+    the tie. Tied weights thus count twice in an estimate but once on live ranks (measure_setting); without
+    this call they would count once, changing the numbers of such models (gemma, small Qwen2 and Llama)."""
+    import torch
+    from torch import nn
+
+    seen = set()
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in seen:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(param), param.requires_grad)
+                elif param is not None:
+                    seen.add(id(param))
+
+
+def _step_local_shards(optimizer) -> None:
+    """Make `optimizer` step FSDP2's local shards instead of its DTensor parameters.
+
+    On DTensors every foreach op of the step pays DTensor's sharding propagation over hundreds of parameters
+    (seconds per op on fake tensors: a fifth of a 7B LoRA estimate), yet the memory is the local shards'
+    either way: DTensor runs the same foreach ops on them, and those are what the tracker sees. A step
+    pre-hook points the parameter groups at the shards and lends each shard its DTensor gradient's shard; a
+    post-hook takes both back, so that zero_grad frees the gradients as before. The optimizer state is keyed
+    by the shards, which FSDP2 settles in its lazy init (the first forward, before the first step)."""
+    from torch.distributed.tensor import DTensor
+
+    from ._torch_private import local_shard
+
+    held = [list(group["params"]) for group in optimizer.param_groups]
+
+    def lend(opt, args, kwargs):
+        for group, params in zip(opt.param_groups, held):
+            group["params"] = [local_shard(p) if isinstance(p, DTensor) else p for p in params]
+            for p, shard in zip(params, group["params"]):
+                if shard is not p:
+                    shard.grad = None if p.grad is None else local_shard(p.grad)
+        stepped = {id(shard) for group in opt.param_groups for shard in group["params"]}
+        assert all(id(key) in stepped for key in opt.state), \
+            "FSDP2 replaced a parameter's local shard after the optimizer state was keyed by it"
+
+    def take_back(opt, args, kwargs):
+        for group, params in zip(opt.param_groups, held):
+            for p, shard in zip(params, group["params"]):
+                if shard is not p:
+                    shard.grad = None
+            group["params"] = params
+
+    optimizer.register_step_pre_hook(lend)
+    optimizer.register_step_post_hook(take_back)
 
 
 def _setting_payload(setting: TrainSetting) -> dict:
