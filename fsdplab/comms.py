@@ -1,4 +1,4 @@
-"""Count every collective a rank launches, and price it with a latency-bandwidth cost model.
+"""Count every collective a rank launches: the bytes, the process group, the FSDP unit, the phase.
 
 Counting: `CommCounter` is a `TorchDispatchMode`. Every collective in torch, whether FSDP2's all-gather and
 reduce-scatter, DDP's C++ reducer all-reduce, a plain `dist.all_reduce`, or DTensor's functional
@@ -18,40 +18,24 @@ What is counted, per collective:
     capture: gloo, for one, runs a reduce-scatter as a full all-reduce (the profiler names it
     "gloo:all_reduce"), so on CPU ranks the wire carries more than this.
 
-Cost model: `collective_time(kind, nbytes, world_size, link)` is the ring model,
-(N-1)/N x bytes / bandwidth + (N-1) x latency, twice that for all-reduce. Bandwidths in `PRESETS` are
-per rank, per direction, from vendor specifications:
-  * NVIDIA A100 datasheet: third-generation NVLink, 600 GB/s total = 300 GB/s per direction per GPU
-    (through NVSwitch in HGX/DGX A100). NVIDIA H100 datasheet: fourth-generation NVLink, 900 GB/s total
-    = 450 GB/s per direction (SXM5). A10 servers have no NVLink: their GPUs talk over PCIe.
-  * PCI-SIG: PCIe 4.0 runs 16 GT/s per lane, x16 = 31.5 GB/s per direction after 128b/130b encoding;
-    PCIe 5.0 doubles it (63 GB/s).
-  * NVIDIA ConnectX adapters: EDR/HDR100 100 Gb/s, HDR 200 Gb/s, NDR 400 Gb/s = 12.5 / 25 / 50 GB/s
-    (bits / 8).
-  * IEEE 802.3 Ethernet: 10 / 25 / 100 Gb/s line rates = 1.25 / 3.125 / 12.5 GB/s. "10-25 GB/s" for
-    ordinary Ethernet confuses bits with bytes.
-Latencies are round order-of-magnitude per-hop figures (a few microseconds for NVLink and InfiniBand
-with NCCL, tens for TCP over Ethernet), not vendor numbers: at the sizes FSDP moves (megabytes per
-unit) bandwidth dominates and the conclusions do not depend on them.
+The cost model that prices these bytes on real links is `fsdplab.network`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 
 import torch
 
 from ._torch_private import (fsdp_param_group, fsdp_unit_name, graph_task_id, resolve_process_group,
                              torch_dispatch_mode)
-
-GB = 1e9  # network bandwidths are quoted in decimal gigabytes
+from .network import ring_sent_bytes
 
 # --- what each collective op is, and where its tensors are ----------------------------------------------
 
 # op name -> (kind, index of the argument holding the full tensor(s), "times group size" for the full size)
-_C10D = {
+C10D_OPS = {
     "_allgather_base_": ("all_gather", 0, False),        # (output, input, pg, ...): output is full
     "allgather_": ("all_gather", 0, False),              # (output_lists, inputs, pg, ...)
     "allgather_into_tensor_coalesced_": ("all_gather", 0, False),
@@ -83,20 +67,6 @@ _FUNCTIONAL = {
     "broadcast_": ("broadcast", 0, False),
     "all_to_all_single": ("all_to_all", 0, False),
 }
-
-RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_to_all": 1.0}
-
-
-def ring_sent_bytes(kind: str, tensor_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends for a collective on a full tensor of `tensor_bytes`, ring algorithm."""
-    if group_size <= 1:
-        return 0.0
-    if kind in RING_FACTOR:
-        return RING_FACTOR[kind] * (group_size - 1) / group_size * tensor_bytes
-    if kind in ("broadcast", "reduce", "gather", "scatter"):
-        return float(tensor_bytes)  # pipelined chain: every rank but one forwards the whole tensor once
-    return 0.0
-
 
 def _tensors(value) -> list:
     if isinstance(value, torch.Tensor):
@@ -149,7 +119,7 @@ class _Mode(torch_dispatch_mode()):
         out = func(*args, **kwargs)
         namespace = getattr(func, "namespace", "")
         if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-            table = _C10D if namespace == "c10d" else _FUNCTIONAL
+            table = C10D_OPS if namespace == "c10d" else _FUNCTIONAL
             name = func.overloadpacket.__name__
             if name in table:
                 self.counter._record(name, table[name], args, kwargs)
@@ -355,7 +325,7 @@ def make_mesh(shape=None, names=None):
     return init_device_mesh(device().type, tuple(shape), mesh_dim_names=tuple(names) if names else None)
 
 
-def _toy_step(model, optimizer, cfg, batch_size, seed, counter=None, device="cpu") -> float:
+def toy_step(model, optimizer, cfg, batch_size, seed, counter=None, device="cpu") -> float:
     """One `sharding.train_step` on a toy-task batch; with a counter the optimizer step is its "step" section."""
     from .models import random_batch
     from .sharding import train_step
@@ -390,7 +360,7 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     rank = this_rank()
 
     def step(counter=None):
-        return _toy_step(model, optimizer, cfg, batch_size, seed + rank, counter)
+        return toy_step(model, optimizer, cfg, batch_size, seed + rank, counter)
 
     for _ in range(warmup_steps):
         step()
@@ -444,159 +414,6 @@ def set_explicit_prefetch(model, depth: int = 1) -> None:
             block.set_modules_to_backward_prefetch(behind)
 
 
-# --- cost model -----------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Link:
-    """A link as one rank sees it: bandwidth per direction (GB/s, decimal) and per-hop latency (s)."""
-    name: str
-    bandwidth_gbps: float
-    latency_s: float = 5e-6
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * GB
-
-
-# Sources in the module docstring. Keys are what a notebook dropdown shows.
-PRESETS = {
-    "NVLink A100 (300 GB/s)": Link("NVLink A100 (300 GB/s)", 300.0, 3e-6),
-    "NVLink H100 (450 GB/s)": Link("NVLink H100 (450 GB/s)", 450.0, 3e-6),
-    "PCIe 4.0 x16 (31.5 GB/s)": Link("PCIe 4.0 x16 (31.5 GB/s)", 31.5, 5e-6),
-    "PCIe 5.0 x16 (63 GB/s)": Link("PCIe 5.0 x16 (63 GB/s)", 63.0, 5e-6),
-    "InfiniBand 100 Gb/s (12.5 GB/s)": Link("InfiniBand 100 Gb/s (12.5 GB/s)", 12.5, 5e-6),
-    "InfiniBand 200 Gb/s (25 GB/s)": Link("InfiniBand 200 Gb/s (25 GB/s)", 25.0, 5e-6),
-    "InfiniBand 400 Gb/s (50 GB/s)": Link("InfiniBand 400 Gb/s (50 GB/s)", 50.0, 5e-6),
-    "Ethernet 10 GbE (1.25 GB/s)": Link("Ethernet 10 GbE (1.25 GB/s)", 1.25, 30e-6),
-    "Ethernet 25 GbE (3.125 GB/s)": Link("Ethernet 25 GbE (3.125 GB/s)", 3.125, 30e-6),
-    "Ethernet 100 GbE (12.5 GB/s)": Link("Ethernet 100 GbE (12.5 GB/s)", 12.5, 20e-6),
-}
-# The posts' figures, for comparison (claim 19): "NVSwitch 300 GB/s", "ordinary Ethernet 10-25 GB/s".
-POST_CLAIMS_GBPS = {"NVSwitch": 300.0, "Ethernet low": 10.0, "Ethernet high": 25.0}
-
-
-def get_link(link) -> Link:
-    """A Link from a Link, a PRESETS key, or a unique fragment of one ("H100", "25 GbE", "400 Gb/s")."""
-    if isinstance(link, Link):
-        return link
-    if link in PRESETS:
-        return PRESETS[link]
-    matches = [k for k in PRESETS if str(link).lower() in k.lower()]
-    if len(matches) != 1:
-        raise ValueError(f"unknown link {link!r}: use a Link(...) or one of {list(PRESETS)} "
-                         "(a unique part of a name works too).")
-    return PRESETS[matches[0]]
-
-
-def collective_time(kind: str, nbytes: float, world_size: int, link) -> float:
-    """Seconds for one ring collective on a full tensor of `nbytes` over `world_size` ranks on `link`:
-    (N-1)/N x bytes / bandwidth + (N-1) x latency; all-reduce (= reduce-scatter + all-gather) twice that."""
-    if kind not in ("all_gather", "reduce_scatter", "all_reduce"):
-        raise ValueError(f"kind must be 'all_gather', 'reduce_scatter' or 'all_reduce', got {kind!r}.")
-    if world_size < 1:
-        raise ValueError("world_size must be >= 1.")
-    link = get_link(link)
-    if world_size == 1:
-        return 0.0
-    n = world_size
-    one = (n - 1) / n * nbytes / link.bytes_per_s + (n - 1) * link.latency_s
-    return 2 * one if kind == "all_reduce" else one
-
-
-def step_sent_bytes(strategy: str, param_bytes: float, world_size: int) -> float:
-    """Ring bytes one rank sends per step for the whole model (gradients in the parameters' dtype):
-    DDP 2(N-1)/N P (all-reduce); SHARD_GRAD_OP 2(N-1)/N P (all-gather once + reduce-scatter);
-    FULL_SHARD 3(N-1)/N P (all-gather in forward and again in backward + reduce-scatter)."""
-    factor = {"ddp": 2, "no_shard": 2, "shard_grad_op": 2, "full_shard": 3}
-    if strategy not in factor:
-        raise ValueError(f"strategy must be one of {list(factor)}, got {strategy!r}.")
-    n = world_size
-    return factor[strategy] * (n - 1) / n * param_bytes if n > 1 else 0.0
-
-
-def step_comm_time(strategy: str, param_bytes: float, world_size: int, link, num_units: int = 1) -> float:
-    """Seconds of communication per step (nothing overlapped), the model split into `num_units` equal units."""
-    link = get_link(link)
-    unit = param_bytes / num_units
-    if strategy in ("ddp", "no_shard"):
-        return num_units * collective_time("all_reduce", unit, world_size, link)
-    gathers = 2 if strategy == "full_shard" else 1
-    if strategy not in ("full_shard", "shard_grad_op"):
-        raise ValueError(f"strategy must be ddp, shard_grad_op or full_shard, got {strategy!r}.")
-    return num_units * (gathers * collective_time("all_gather", unit, world_size, link)
-                        + collective_time("reduce_scatter", unit, world_size, link))
-
-
-def hsdp_comm_time(param_bytes: float, num_nodes: int, gpus_per_node: int, intra, inter,
-                   num_units: int = 1) -> dict:
-    """Seconds per step for FULL_SHARD over every GPU (its rings cross the slow link, which sets the pace)
-    vs HSDP (all-gather / reduce-scatter inside each node on `intra`, then an all-reduce of each rank's
-    1/gpus_per_node gradient shard across nodes on `inter`). No overlap."""
-    intra, inter = get_link(intra), get_link(inter)
-    world = num_nodes * gpus_per_node
-    unit = param_bytes / num_units
-    slowest = inter if num_nodes > 1 else intra
-    flat = num_units * 3 * collective_time("all_gather", unit, world, slowest)
-    inside = num_units * 3 * collective_time("all_gather", unit, gpus_per_node, intra)
-    across = num_units * collective_time("all_reduce", unit / gpus_per_node, num_nodes, inter)
-    return {"full_shard": flat, "hsdp": inside + across, "hsdp_intra": inside, "hsdp_inter": across}
-
-
-def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: int = 0) -> dict:
-    """On a rank: tensor parallelism inside a "node" + FSDP across nodes, on a 2-D mesh ("dp", "tp").
-
-    Each block's MLP is split Megatron-style by `sharding.apply_tp` (one all-reduce in forward and one in
-    backward over "tp"; attention stays replicated); then `sharding.apply_fsdp` shards every block and the
-    root over "dp". Counts one step after a warm-up; also returns the losses, so they can be compared with
-    the same model trained in one process (`reference_losses`)."""
-    from .models import TinyConfig, blocks_of
-    from .sharding import apply_fsdp, apply_tp, build_tiny
-
-    cfg = cfg or TinyConfig()
-    mesh2d = make_mesh(mesh_shape, ("dp", "tp"))
-    model = apply_tp(build_tiny(cfg, seed=seed), mesh2d["tp"])
-    # None is fully_shard's default: blocks reshard after forward, the root (needed first in backward) does not
-    apply_fsdp(model, mesh2d["dp"], reshard_after_forward=None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    # one batch per data-parallel group: the two TP ranks of a node must see the same tokens
-    dp_rank = mesh2d.get_local_rank("dp")
-
-    def step(counter=None):
-        return _toy_step(model, optimizer, cfg, batch_size, seed + dp_rank, counter)
-
-    first_loss = step()
-    with CommCounter(mesh=mesh2d) as counter:
-        second_loss = step(counter)
-    mlp = blocks_of(model)[0].mlp[0].weight
-    return {"events": counter.events, "losses": [first_loss, second_loss],
-            "mlp_weight_placements": [str(p) for p in mlp.placements], "mlp_weight_local_shape": tuple(mlp.to_local().shape),
-            "mlp_weight_shape": tuple(mlp.shape)}
-
-
-def reference_losses(cfg=None, world_size_dp: int = 2, batch_size: int = 2, seed: int = 0, steps: int = 2) -> list:
-    """The losses `count_tp_fsdp_step` should see, computed in one process: the same model, each step on
-    the concatenation of the dp groups' batches (what data parallelism averages over), plain SGD.
-    Returns, per step, each dp group's loss."""
-    from .models import TinyConfig, random_batch
-    from .sharding import build_tiny, loss_of, train_step
-
-    cfg = cfg or TinyConfig()
-    model = build_tiny(cfg, seed=seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = [random_batch(cfg, batch_size, seed=seed + r) for r in range(world_size_dp)]
-    per_group = []
-
-    def mean_over_groups(model, batches):  # keeps each group's loss for the comparison
-        per_group[:] = [loss_of(model, batch) for batch in batches]
-        return sum(per_group) / len(batches)
-
-    losses = []
-    for _ in range(steps):
-        train_step(model, optimizer, batches, loss_fn=mean_over_groups)
-        losses.append([x.item() for x in per_group])
-    return losses
-
-
 def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_prefetch: bool = False,
                        limit_all_gathers: bool = True, cfg=None, batch_size: int = 2, seed: int = 0) -> dict:
     """GPU only (FSDP1 refuses CPU): the posts' FSDP1 settings on the tiny transformer, one counted step.
@@ -623,7 +440,7 @@ def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_p
     rank = this_rank()
 
     def step(counter=None):
-        return _toy_step(model, optimizer, cfg, batch_size, seed + rank, counter, device=device)
+        return toy_step(model, optimizer, cfg, batch_size, seed + rank, counter, device=device)
 
     step()
     torch.cuda.synchronize()

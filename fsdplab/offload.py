@@ -10,7 +10,7 @@ gradients before the reduce-scatter, the activations and the communication buffe
 Bandwidth figures (vendor specifications, per direction, theoretical peak):
 
 - PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s ("~32 GB/s"); PCIe 5.0 x16: 63 GB/s
-  ("~64 GB/s"). The figures are `fsdplab.comms.PRESETS`' (one definition for the lab). Pinned-memory copies
+  ("~64 GB/s"). The figures are `fsdplab.network.PRESETS`' (one definition for the lab). Pinned-memory copies
   reach only part of the peak; `step_time` assumes 80%.
 - GPU memory bandwidth: NVIDIA A10 600 GB/s (GDDR6, 24 GB; PCIe 4.0 card); A100 80GB SXM ~2 TB/s
   (2,039 GB/s HBM2e; PCIe 4.0 host link); H100 SXM 3.35 TB/s (HBM3; PCIe 5.0 host link).
@@ -30,10 +30,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from .comms import get_link
+from .network import get_link
 from .settings import GIB
 
-# Host links by the short name a GPU's `host_link` uses; the bandwidths are comms.PRESETS' (per direction).
+# Host links by the short name a GPU's `host_link` uses; the bandwidths are network.PRESETS' (per direction).
 PCIE_BYTES_PER_S = {name: get_link(name).bytes_per_s for name in ("PCIe 4.0 x16", "PCIe 5.0 x16")}
 
 

@@ -30,7 +30,8 @@ import os
 import re
 
 from ._torch_private import profiler_trace_start_ns
-from .comms import _C10D, collective_time, get_link
+from .comms import C10D_OPS
+from .network import collective_time, get_link
 from .dist import this_rank
 
 _FSDP_LABEL = re.compile(r"^FSDP::(all_gather|post_backward_reduce)(?: \((.*)\))?$")
@@ -160,7 +161,7 @@ def _classify(events, on_gpu: bool) -> list:
         around = [(s, u) for k, u, s, t in fsdp if s <= launched_at <= t]
         unit = (max(around)[1] or "root") if around else None
         c["launched_us"] = launched_at
-        launched_kind = _C10D.get(op.split("::", 1)[-1], (c["kind"],))[0]
+        launched_kind = C10D_OPS.get(op.split("::", 1)[-1], (c["kind"],))[0]
         c["backend_op"], c["kind"], c["label"] = c["kind"], launched_kind, launched_kind
         if unit:
             c["unit"] = unit

@@ -2,7 +2,8 @@
 
 import pytest
 
-from fsdplab import comms
+from fsdplab import comms, network
+from fsdplab.lessons import scaling_out
 from fsdplab.models import TinyConfig
 
 CFG = TinyConfig(dim=32, num_layers=3, seq_len=16)
@@ -11,39 +12,39 @@ CFG = TinyConfig(dim=32, num_layers=3, seq_len=16)
 # --- cost model ------------------------------------------------------------------------------------
 
 def test_presets_are_vendor_figures():
-    gbps = {name: link.bandwidth_gbps for name, link in comms.PRESETS.items()}
-    assert comms.get_link("A100").bandwidth_gbps == 300 and comms.get_link("H100").bandwidth_gbps == 450
-    assert comms.get_link("10 GbE").bandwidth_gbps == 1.25 and comms.get_link("25 GbE").bandwidth_gbps == 3.125
-    assert [comms.get_link(f"{g} Gb/s").bandwidth_gbps for g in (100, 200, 400)] == [12.5, 25, 50]
-    assert comms.get_link("PCIe 4").bandwidth_gbps == 31.5 and len(gbps) == 10
+    gbps = {name: link.bandwidth_gbps for name, link in network.PRESETS.items()}
+    assert network.get_link("A100").bandwidth_gbps == 300 and network.get_link("H100").bandwidth_gbps == 450
+    assert network.get_link("10 GbE").bandwidth_gbps == 1.25 and network.get_link("25 GbE").bandwidth_gbps == 3.125
+    assert [network.get_link(f"{g} Gb/s").bandwidth_gbps for g in (100, 200, 400)] == [12.5, 25, 50]
+    assert network.get_link("PCIe 4").bandwidth_gbps == 31.5 and len(gbps) == 10
 
 
 def test_get_link_rejects_unknown_and_ambiguous_names():
     with pytest.raises(ValueError, match="unknown link"):
-        comms.get_link("carrier pigeon")
+        network.get_link("carrier pigeon")
     with pytest.raises(ValueError):
-        comms.get_link("NVLink")  # two presets match
+        network.get_link("NVLink")  # two presets match
 
 
 def test_ring_formula():
-    link = comms.Link("test", 10.0, latency_s=1e-6)
-    t = comms.collective_time("all_gather", 8e9, 4, link)
+    link = network.Link("test", 10.0, latency_s=1e-6)
+    t = network.collective_time("all_gather", 8e9, 4, link)
     assert t == pytest.approx(3 / 4 * 8e9 / 10e9 + 3e-6)
-    assert comms.collective_time("all_reduce", 8e9, 4, link) == pytest.approx(2 * t)
-    assert comms.collective_time("reduce_scatter", 8e9, 1, link) == 0.0
+    assert network.collective_time("all_reduce", 8e9, 4, link) == pytest.approx(2 * t)
+    assert network.collective_time("reduce_scatter", 8e9, 1, link) == 0.0
     with pytest.raises(ValueError):
-        comms.collective_time("all_to_all", 1, 2, link)
+        network.collective_time("all_to_all", 1, 2, link)
 
 
 def test_step_bytes_ratios():
     p = 1e9
-    assert comms.step_sent_bytes("full_shard", p, 8) / comms.step_sent_bytes("ddp", p, 8) == pytest.approx(1.5)
-    assert comms.step_sent_bytes("shard_grad_op", p, 8) == comms.step_sent_bytes("ddp", p, 8)
-    assert comms.ring_sent_bytes("all_reduce", 100, 2) == 100 and comms.ring_sent_bytes("all_gather", 100, 4) == 75
+    assert network.step_sent_bytes("full_shard", p, 8) / network.step_sent_bytes("ddp", p, 8) == pytest.approx(1.5)
+    assert network.step_sent_bytes("shard_grad_op", p, 8) == network.step_sent_bytes("ddp", p, 8)
+    assert network.ring_sent_bytes("all_reduce", 100, 2) == 100 and network.ring_sent_bytes("all_gather", 100, 4) == 75
 
 
 def test_hsdp_beats_flat_on_a_slow_network():
-    t = comms.hsdp_comm_time(14e9, 2, 8, "A100", "25 GbE", num_units=32)
+    t = network.hsdp_comm_time(14e9, 2, 8, "A100", "25 GbE", num_units=32)
     assert t["hsdp"] < t["full_shard"] / 5
     assert t["hsdp"] == pytest.approx(t["hsdp_intra"] + t["hsdp_inter"])
 
@@ -80,7 +81,7 @@ def steps(cluster):
 def test_bytes_per_step_match_zero_paper(steps):
     p = steps["ddp"]["param_bytes"]
     sent = {s: sum(r["sent_bytes"] for r in _collectives(out)) for s, out in steps.items()}
-    assert sent["full_shard"] == comms.step_sent_bytes("full_shard", p, 2) == 1.5 * p
+    assert sent["full_shard"] == network.step_sent_bytes("full_shard", p, 2) == 1.5 * p
     assert sent["shard_grad_op"] == p
     ddp_ar = [r for r in _collectives(steps["ddp"]) if r["kind"] == "all_reduce"]
     assert sum(r["tensor_bytes"] for r in ddp_ar) == p          # DDP's C++ reducer all-reduces every gradient
@@ -147,8 +148,8 @@ def test_bad_prefetch_depth():
 
 def test_tensor_parallel_all_reduces_counted_on_tp_dim(cluster):
     # one "node" of 2 ranks: TP over both, FSDP over a data-parallel dim of size 1
-    outs = cluster.run(comms.count_tp_fsdp_step, cfg=CFG, mesh_shape=(1, 2), quiet=True)
-    reference = comms.reference_losses(CFG, world_size_dp=1)
+    outs = cluster.run(scaling_out.count_tp_fsdp_step, cfg=CFG, mesh_shape=(1, 2), quiet=True)
+    reference = scaling_out.reference_losses(CFG, world_size_dp=1)
     for out in outs:
         assert out["losses"] == pytest.approx([step[0] for step in reference], abs=1e-4)
         assert out["mlp_weight_local_shape"] == (2 * CFG.dim, CFG.dim)   # 4*dim rows split over 2 TP ranks

@@ -11,7 +11,7 @@ from fsdplab.settings import GIB
 
 
 def test_host_link_is_far_below_one_tenth_of_gpu_memory():
-    from fsdplab.comms import get_link
+    from fsdplab.network import get_link
 
     # One source for the PCIe figures: comms' link presets.
     assert O.PCIE_BYTES_PER_S == {"PCIe 4.0 x16": 31.5e9, "PCIe 5.0 x16": 63e9}

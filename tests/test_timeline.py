@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import pytest
 
 import fsdplab
-from fsdplab import comms, timeline
+from fsdplab import network, timeline
 from fsdplab.models import TinyConfig
 
 CFG = TinyConfig(dim=32, num_layers=3, seq_len=16)
@@ -23,7 +23,7 @@ def test_simulator_without_prefetch_is_serial():
 
 
 def test_prefetch_never_hurts_and_is_bounded():
-    for link in comms.PRESETS:
+    for link in network.PRESETS:
         off = timeline.simulate_step(link=link, prefetch=0)
         on = timeline.simulate_step(link=link, prefetch=1)
         assert on["step_s"] <= off["step_s"] + 1e-12
@@ -32,7 +32,7 @@ def test_prefetch_never_hurts_and_is_bounded():
 
 
 def test_simulator_limits_and_shard_grad_op():
-    fast = timeline.simulate_step(link=comms.Link("infinite", 1e9, 0.0), prefetch=1)
+    fast = timeline.simulate_step(link=network.Link("infinite", 1e9, 0.0), prefetch=1)
     assert fast["exposed_comm_s"] < 1e-6 * fast["step_s"] + 1e-9
     sgo = timeline.simulate_step(strategy="shard_grad_op", num_layers=5)
     assert [i["kind"] for i in sgo["intervals"] if i["row"] == "comm"].count("all_gather") == 5
