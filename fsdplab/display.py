@@ -20,7 +20,8 @@ from .settings import GIB
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
           "activations": "#c44e52", "communication_buffers": "#8172b3", "other": "#937860"}
-FIGURE_DIR = Path(os.environ.get("FSDPLAB_FIGURES", Path(__file__).resolve().parent.parent / "docs" / "figures"))
+# The README's pictures; FSDPLAB_FIGURES (read at each save, so tests and runs can redirect it) overrides.
+FIGURE_DIR = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 
 def save_figure(fig, name: str, dpi: int = 110) -> Path:
@@ -202,7 +203,6 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     import ipywidgets as W
 
     from .formula import formula
-    from .memory import estimate
     from .models import MODELS
     from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS, STRATEGIES, TrainSetting
 

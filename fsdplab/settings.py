@@ -106,7 +106,9 @@ class TrainSetting:
                 raise ValueError(f"unknown model {self.model!r}: use one of {list(MODELS)}, a transformers config, "
                                  "or a parameter count such as 60.2e6.")
         elif not hasattr(self.model, "hidden_size"):
-            raise ValueError(f"model must be a name ({'/'.join(_model_names())}), a transformers config or a "
+            from .models import MODELS
+
+            raise ValueError(f"model must be a name ({'/'.join(MODELS)}), a transformers config or a "
                              f"parameter count; got {type(self.model).__name__}.")
         if self.strategy == "hybrid_shard" and self.world_size % self.shards:
             raise ValueError(f"hybrid_shard needs world_size ({self.world_size}) to be a multiple of "
@@ -157,9 +159,3 @@ def as_setting(setting: TrainSetting | None = None, **changes) -> TrainSetting:
         raise ValueError(f"expected a TrainSetting, got {type(setting).__name__}: pass fields as keywords, e.g. "
                          "model='qwen-7b', world_size=8.")
     return dataclasses.replace(setting, **changes) if changes else setting
-
-
-def _model_names():
-    from .models import MODELS
-
-    return list(MODELS)
