@@ -155,9 +155,6 @@ def sweep(setting: TrainSetting, *, seq_lens=None, batch_sizes=None, world_sizes
           workers: int = 2, progress: bool = True) -> Sweep:
     """Exact estimates of `setting` at every combination of the given values (None: the setting's own),
     `workers` at a time in worker processes; a progress bar on stderr while they run."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    import multiprocessing
-
     from tqdm.auto import tqdm
 
     result = Sweep(setting, list(seq_lens or [setting.seq_len]), list(batch_sizes or [setting.batch_size]),
@@ -168,23 +165,40 @@ def sweep(setting: TrainSetting, *, seq_lens=None, batch_sizes=None, world_sizes
     check(max(settings.values(), key=lambda point: point.seq_len))
     result.workers = max(1, min(workers, len(settings)))
     t0 = time.perf_counter()
+    with tqdm(total=len(settings), desc="estimate", unit="point", file=sys.stderr, disable=not progress) as bar:
+        def done(point, report):
+            key = (point.world_size, point.seq_len, point.batch_size)
+            bar.set_postfix_str(f"world {key[0]} seq {key[1]} x{key[2]}: {report.peak_bytes / GIB:.2f} GiB")
+            bar.update()
+
+        reports = estimate_all(list(settings.values()), workers=result.workers, on_done=done)
+    result.reports.update(zip(settings, reports))
+    result.seconds = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def estimate_all(settings: list, workers: int = 2, on_done=None) -> list:
+    """`memory.estimate` of each setting, `workers` at a time in warm worker processes (each pays the imports
+    once, not once per setting); `on_done(setting, report)` as each finishes. Returns the reports in order."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import multiprocessing
+
     # spawn: a fresh interpreter per worker (a fork of a process with torch's threads, or of a rank, is unsafe)
-    with ProcessPoolExecutor(result.workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker) as pool, \
-            tqdm(total=len(settings), desc="estimate", unit="point", file=sys.stderr, disable=not progress) as bar:
-        futures = {pool.submit(_estimate_point, point): key for key, point in settings.items()}
+    with ProcessPoolExecutor(max(1, min(workers, len(settings))), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init_worker) as pool:
+        futures = {pool.submit(_estimate_point, point): i for i, point in enumerate(settings)}
+        reports = [None] * len(settings)
         try:
             for future in as_completed(futures):
-                key = futures[future]
-                result.reports[key] = report = future.result()
-                bar.set_postfix_str(f"world {key[0]} seq {key[1]} x{key[2]}: {report.peak_bytes / GIB:.2f} GiB")
-                bar.update()
+                i = futures[future]
+                reports[i] = future.result()
+                if on_done is not None:
+                    on_done(settings[i], reports[i])
         except BaseException:   # a failed point or Ctrl-C: do not start the points still queued
             for future in futures:
                 future.cancel()
             raise
-    result.seconds = round(time.perf_counter() - t0, 1)
-    return result
+    return reports
 
 
 def _init_worker():

@@ -21,15 +21,12 @@ def setting(**changes) -> TrainSetting:
     return POSTS_SETTING.replace(**changes)
 
 
-def exact(settings: list, workers: int = 2, progress: bool = False) -> list:
-    """`fsdplab.memory.estimate` for each setting, `workers` at a time (each in its own process: one fake
-    process group per process). Returns the reports in order."""
-    from concurrent.futures import ThreadPoolExecutor
+def exact(settings: list, workers: int = 2) -> list:
+    """`fsdplab.memory.estimate` for each setting, `workers` at a time in worker processes (one fake process
+    group per process; see fsdplab.sweep.estimate_all). Returns the reports in order."""
+    from ..sweep import estimate_all
 
-    from ..memory import estimate
-
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda s: estimate(s, progress=progress, subprocess_mode=True), settings))
+    return estimate_all(list(settings), workers=workers)
 
 
 def formula_grid(seq_lens, batch_sizes, base: TrainSetting = POSTS_SETTING) -> list:
