@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import io
 import os
+import tempfile
 from pathlib import Path
 
 from ._torch_private import CATEGORIES
@@ -20,13 +21,19 @@ from .settings import GIB
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
           "activations": "#c44e52", "communication_buffers": "#8172b3", "other": "#937860"}
-# The README's pictures; FSDPLAB_FIGURES (read at each save, so tests and runs can redirect it) overrides.
+# The README's pictures. Runs never write there: `fsdplab run` saves into its output folder, a notebook opened
+# by hand into a temporary folder; `fsdplab run --figures docs/figures` regenerates the README's pictures.
 FIGURE_DIR = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 
+def figure_dir() -> Path:
+    """Where save_figure writes: FSDPLAB_FIGURES (read at each save) or a temporary folder."""
+    return Path(os.environ.get("FSDPLAB_FIGURES") or Path(tempfile.gettempdir()) / "fsdplab-figures")
+
+
 def save_figure(fig, name: str, dpi: int = 110) -> Path:
-    """Save `fig` as NAME.png in FSDPLAB_FIGURES (default docs/figures: the README's pictures)."""
-    folder = Path(os.environ.get("FSDPLAB_FIGURES", FIGURE_DIR))
+    """Save `fig` as NAME.png in figure_dir()."""
+    folder = figure_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.png"
     fig.savefig(path, dpi=dpi, bbox_inches="tight")

@@ -1,0 +1,104 @@
+"""Exercises that check themselves, and "predict, then run" prompts.
+
+A lesson registers a checker in its module under fsdplab/lessons/ with `@exercise("02-bytes")`; the learner
+calls `check("02-bytes", answer)` (plus whatever measured values the checker needs, as keywords) and gets
+a verdict with a hint. A checker compares the answer with the lab's own measurement or formula, never with
+a number typed into the checker.
+
+    @exercise("02-bytes")
+    def _bytes(answer, *, measured):
+        return close(answer, measured, rel=0.05, hint="count one all-gather in forward and one in backward")
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+_CHECKERS: dict = {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `check` answers: `ok` and a message (the hint when not ok). True in an `if` when ok."""
+
+    key: str
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        return f"{self.key}: {'correct' if self.ok else 'not yet'} - {self.message}"
+
+    __repr__ = __str__
+
+
+def exercise(key: str):
+    """Register `fn(answer, **measured) -> (ok, message)` as the checker of exercise `key` ("NN-name")."""
+    def register(fn):
+        if key in _CHECKERS and _CHECKERS[key] is not fn:
+            raise ValueError(f"exercise {key!r} is registered twice ({_CHECKERS[key].__module__} and "
+                             f"{fn.__module__}): give one of them another name.")
+        _CHECKERS[key] = fn
+        return fn
+    return register
+
+
+def _load_lessons() -> None:
+    """Import every module of fsdplab.lessons: their @exercise decorators fill the registry."""
+    from . import lessons
+
+    for info in pkgutil.iter_modules(lessons.__path__):
+        importlib.import_module(f"{lessons.__name__}.{info.name}")
+
+
+def keys() -> list:
+    """Every registered exercise, sorted (lesson number first)."""
+    _load_lessons()
+    return sorted(_CHECKERS)
+
+
+def check(key: str, answer, /, **measured) -> Verdict:
+    """Check `answer` to exercise `key`; prints the verdict (so a bare call in a cell shows it) and returns it."""
+    _load_lessons()
+    if key not in _CHECKERS:
+        import difflib
+
+        close_keys = difflib.get_close_matches(key, _CHECKERS, n=3)
+        hint = f" Did you mean {', '.join(map(repr, close_keys))}?" if close_keys else ""
+        raise ValueError(f"no exercise {key!r}.{hint} Known: {', '.join(sorted(_CHECKERS))}.")
+    if answer is None or answer is ...:
+        verdict = Verdict(key, False, "no answer yet: replace the placeholder with your answer and run the cell again.")
+    else:
+        ok, message = _CHECKERS[key](answer, **measured)
+        verdict = Verdict(key, bool(ok), message)
+    print(verdict)
+    return verdict
+
+
+def close(answer, expected, *, rel: float = 0.05, hint: str = "", unit: str = "") -> tuple:
+    """(ok, message) for a numeric answer within `rel` (relative) of `expected`."""
+    try:
+        value = float(answer)
+    except (TypeError, ValueError):
+        return False, f"expected a number, got {answer!r}."
+    expected = float(expected)
+    off = abs(value - expected) / max(abs(expected), 1e-300)
+    if off <= rel:
+        return True, f"{value:g}{unit} is within {rel:.0%} of the measured {expected:g}{unit}."
+    direction = "high" if value > expected else "low"
+    return False, f"{value:g}{unit} is {off:.0%} too {direction}." + (f" Hint: {hint}" if hint else "")
+
+
+def reveal(prediction, measured, what: str, unit: str = "") -> str:
+    """The line after a "predict, then run" prompt: the learner's prediction next to the measured value."""
+    if prediction is None or prediction is ...:
+        line = f"{what}: measured {measured:g}{unit} (no prediction made: set it before running next time)"
+    else:
+        off = (float(prediction) - measured) / measured if measured else float("inf")
+        line = f"{what}: you predicted {float(prediction):g}{unit}, measured {measured:g}{unit} ({off:+.0%})"
+    print(line)
+    return line
