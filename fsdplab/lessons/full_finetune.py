@@ -1,0 +1,41 @@
+"""Claim 15 ("sharding is why a 7B model fits on 8 x A10"), settled once with the exact estimator so that
+lessons 01, 03 and 06 state the same verdict, in GiB: a full fine-tune of Qwen-7B on 8 ranks, the posts'
+sequence length and precision, with and without activation checkpointing, against the A10's 24 GiB.
+"""
+
+from __future__ import annotations
+
+from ..settings import GIB
+from .qwen7b_lora import POSTS_SETTING
+
+A10_GIB = 24.0   # an A10 has 24 GiB (24,576 MiB as nvidia-smi shows it)
+
+
+def full_finetune_settings() -> list:
+    """The posts' setting without LoRA (every weight trained), without and with activation checkpointing."""
+    return [POSTS_SETTING.replace(lora_rank=None, lora_alpha=None, activation_checkpointing=ckpt)
+            for ckpt in (False, True)]
+
+
+def full_finetune_reports(workers: int = 2) -> list:
+    """Exact per-GPU reports (fake tensors) for full_finetune_settings(), in order: [no checkpointing, with]."""
+    from ..sweep import estimate_all
+
+    return estimate_all(full_finetune_settings(), workers=workers)
+
+
+def full_finetune_verdict(reports, gpu_gib: float = A10_GIB) -> str:
+    """One sentence computed from the two reports ([no checkpointing, with]): does a full fine-tune fit, and
+    how much of the card the resident model states (sharded parameters, gradients, Adam state) take."""
+    plain, ckpt = (r.peak_bytes / GIB for r in reports)
+    states = sum(reports[0].resident.values()) / GIB
+    peaks = f"peak {plain:.1f} GiB without activation checkpointing, {ckpt:.1f} GiB with"
+    share = f"the model states alone take {states:.1f} GiB ({states / gpu_gib:.0%} of the card)"
+    if plain <= gpu_gib:
+        return f"a full fine-tune of Qwen-7B on 8 ranks fits on a {gpu_gib:g} GiB card: {peaks}; {share}."
+    if ckpt <= gpu_gib:
+        return (f"a full fine-tune of Qwen-7B on 8 ranks fits on a {gpu_gib:g} GiB card only with activation "
+                f"checkpointing, with {gpu_gib - ckpt:.1f} GiB to spare before the CUDA context and fragmentation: "
+                f"{peaks}; {share}.")
+    return (f"a full fine-tune of Qwen-7B on 8 ranks does not fit on a {gpu_gib:g} GiB card: {peaks}; {share}. "
+            "LoRA, not sharding, is what makes it fit.")
