@@ -96,7 +96,7 @@ def check_private_apis() -> None:
     except ImportError as e:
         problems.append(f"torch.distributed._tools mem trackers: {e}")
     for shim in (fsdp_param_group, checkpoint_wrapper_fn, graph_task_id, fsdp1_default_state_dict_type,
-                 torch_dispatch_mode):
+                 torch_dispatch_mode, replicate_fn):
         try:
             shim()
         except PrivateAPIError as e:
@@ -213,6 +213,17 @@ def checkpoint_wrapper_fn():
         raise _missing("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", e) from None
     return apply_activation_checkpointing, functools.partial(checkpoint_wrapper,
                                                              checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def replicate_fn():
+    """torch's `replicate` built on FSDP2 (torch.distributed._composable.replicate_with_fsdp, torch 2.9+):
+    DDP's layout (every rank keeps every parameter, gradients all-reduced) on FSDP2's machinery, so it runs
+    on fake tensors where DistributedDataParallel's C++ Reducer does not."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError as e:
+        raise _missing("torch.distributed._composable.replicate_with_fsdp.replicate", e) from None
+    return replicate
 
 
 # --- FSDP1 defaults --------------------------------------------------------------------------------------------

@@ -88,6 +88,17 @@ def _lora_targets(text: str):
     return text if text in LORA_TARGETS else tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+def _strategy(args) -> str:
+    """--strategy, with the older --no-reshard-after-forward meaning shard_grad_op."""
+    strategy = args.strategy or ("full_shard" if args.reshard_after_forward else "shard_grad_op")
+    if not args.reshard_after_forward and strategy != "shard_grad_op":
+        raise ValueError(f"--no-reshard-after-forward is --strategy shard_grad_op; it contradicts --strategy "
+                         f"{strategy}: drop one of them.")
+    if args.shard_group_size is not None and strategy != "hybrid_shard":
+        raise ValueError("--shard-group-size sets hybrid_shard's shard group: add --strategy hybrid_shard.")
+    return strategy
+
+
 def estimate_command(args) -> int:
     """`fsdplab estimate`: one setting -> the per-category table (or one JSON object) and whether it fits;
     comma lists, --sweep or --plot -> every combination, as a table, one JSON object, or a heat map."""
@@ -109,7 +120,7 @@ def estimate_command(args) -> int:
                            lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
                            batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,
                            optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
-                           strategy="full_shard" if args.reshard_after_forward else "shard_grad_op",
+                           strategy=_strategy(args), shard_group_size=args.shard_group_size,
                            cpu_offload=args.cpu_offload)
     if args.sweep or args.plot or len(seq_lens) * len(batch_sizes) * len(world_sizes) > 1:
         result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
@@ -134,7 +145,7 @@ def estimate_command(args) -> int:
 
 def main(argv=None) -> int:
     from .models import MODELS
-    from .settings import OPTIMIZERS, PRECISIONS
+    from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
 
     parser = argparse.ArgumentParser(prog="fsdplab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,7 +177,13 @@ def main(argv=None) -> int:
                      help="storage dtype of the base weights (16-bit is how most LoRA runs load the frozen base)")
     est.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     est.add_argument("--activation-checkpointing", action="store_true")
-    est.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
+    est.add_argument("--strategy", choices=EXACT_STRATEGIES, default=None,
+                     help="full_shard (default), shard_grad_op, hybrid_shard (sharded inside a node, replicated "
+                          "across nodes) or ddp (every rank keeps everything)")
+    est.add_argument("--shard-group-size", type=int, default=None,
+                     help="hybrid_shard: GPUs one parameter is sharded over, usually one node's (default min(N, 8))")
+    est.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                     help="--no-reshard-after-forward is --strategy shard_grad_op")
     est.add_argument("--cpu-offload", action="store_true")
     est.add_argument("--sweep", action="store_true", help="sweep output (table / JSON of points) even for one point")
     est.add_argument("--plot", metavar="FILE.png", help="write a heat map of the per-GPU peak (implies a sweep)")

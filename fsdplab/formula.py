@@ -123,6 +123,8 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
 
     - DDP / ZeRO-1 / ZeRO-2 (the ZeRO paper's mixed precision): 2-byte weights and gradients, 12 bytes of
       fp32 optimizer state (master copy, m, v). ZeRO-1 shards the optimizer state, ZeRO-2 also gradients.
+      (The exact estimator runs DDP as torch's FSDP2-based replicate, which keeps the same 16 bytes as fp32
+      parameters and gradients plus m and v: equal sums, another split.)
     - FSDP2 (shard_grad_op, full_shard, hybrid_shard): the sharded fp32 parameters ARE the master copy
       (4 B), sharded gradients are fp32 (4 B), Adam keeps m and v (8 B); 16-bit copies exist only for the
       unit being computed ("in flight"). Each parameter's dim 0 is padded to a multiple of the shard count.
@@ -205,9 +207,11 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
             notes.append(f"{setting.base_dtype} base trained in place: no fp32 master copy, optimizer state in "
                          f"{setting.base_dtype}.")
         frozen = total - trainable
-        params = weight_b * trainable + min(weight_b, base_b) * frozen
+        params = weight_b * trainable + base_b * frozen   # the frozen base stays as stored
         grads = weight_b * trainable / (n if strategy == "zero2" else 1)
         opt = (master + state_bytes) * trainable / (n if strategy in ("zero1", "zero2") else 1)
+        if strategy == "ddp" and optimizer != "sgd":
+            opt += 4 * n_trainable_tensors   # torch's Adam keeps a step counter per parameter
         if strategy == "ddp":
             comm = weight_b * trainable   # DDP's gradient buckets: a second copy of the gradients
             notes.append("DDP's gradient buckets are a second gradient copy (gradient_as_bucket_view=False).")

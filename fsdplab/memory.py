@@ -229,7 +229,7 @@ def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -
     if setting.precision != "fp32":
         notes.append(f"{setting.precision} compute with fp32 sharded parameters (the master copy) and fp32 "
                      "gradient reduction, as FSDP2's MixedPrecisionPolicy does.")
-    notes.append("FSDP2 pads each parameter's dim 0 to a multiple of the world size: resident shards include it.")
+    notes += _strategy_notes(setting)
     say(f"peak {peak / GIB:.2f} GiB" if peak > GIB / 4 else f"peak {peak / MIB:.2f} MiB")
     return MemoryReport(peak_bytes=int(peak), by_category=by_category, world_size=setting.world_size,
                         settings=setting.to_dict(), notes=notes, source="estimate",
@@ -237,25 +237,35 @@ def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -
                         seconds=round(time.perf_counter() - t0, 2))
 
 
+def _strategy_notes(setting: TrainSetting) -> list:
+    if setting.strategy == "ddp":
+        return ["ddp runs as torch's FSDP2-based replicate(): every rank keeps the fp32 parameters, gradients and "
+                "optimizer state, plus each unit's unsharded copy while it computes. DistributedDataParallel "
+                "itself cannot run on fake tensors (its C++ Reducer reads tensor data); it keeps gradient buckets "
+                "(a second gradient copy) instead of the unit copies."]
+    if setting.strategy == "hybrid_shard":
+        return [f"hybrid_shard: parameters sharded over {setting.shards} ranks (one node), replicated over "
+                f"{setting.world_size // setting.shards} such groups; FSDP2 pads each parameter's dim 0 to a multiple "
+                f"of {setting.shards}."]
+    return ["FSDP2 pads each parameter's dim 0 to a multiple of the world size: resident shards include it."]
+
+
 def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
     """Build `setting`'s model on fake tensors in a fake process group, shard it, and `_run_steps` it."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
 
     from ._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
-    from .sharding import apply_fsdp, build_model, make_optimizer
+    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, make_optimizer
 
     with fake_process_group(setting.world_size):
-        # The mesh is built outside FakeTensorMode: it holds real (tiny) tensors of rank ids.
-        mesh = init_device_mesh("cpu", (setting.world_size,))
+        mesh = data_parallel_mesh(setting)
         # peft and .to(dtype) fail inside FakeTensorMode: the model is built on the meta device, sharded there
         # (FSDP2's meta-device init, half the time of sharding fake tensors) and materialised as fake tensors
         # by to_empty, after which FSDP2 re-pads the shards, as it does for real runs built on meta.
         net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
         say("model built on the meta device")
         _untie_parameters(net)
-        apply_fsdp(net, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
-                   per_block=setting.per_block)
+        apply_data_parallel(net, setting, mesh)
         with fake_tensor_mode(), eager_attention_masks():
             net.to_empty(device="cpu")
             opt = make_optimizer(net, setting.optimizer)
@@ -411,7 +421,7 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
 
     from .dist import device, mesh
     from .models import config_of
-    from .sharding import apply_fsdp, build_model, make_optimizer
+    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, make_optimizer
 
     setting = as_setting(setting, **changes)
     check_choice("strategy (measured)", setting.strategy, EXACT_STRATEGIES)
@@ -421,8 +431,8 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
     torch.manual_seed(seed)
     config = config_of(setting.model)
     net = build_model(setting.replace(model=config), device=device(), dtype=setting.base_dtype)
-    apply_fsdp(net, mesh(), reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
-               per_block=setting.per_block)
+    apply_data_parallel(net, setting, mesh() if setting.strategy != "hybrid_shard"
+                        else data_parallel_mesh(setting, device().type))
     opt = make_optimizer(net, setting.optimizer)
     tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len), device=device())
     report = measure(net, opt, {"input_ids": tokens, "labels": tokens}, steps=steps)

@@ -99,6 +99,50 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | None = T
     return model
 
 
+def apply_replicate(model: nn.Module, mesh, *, precision: str = "fp32", reduce_precision: str | None = None,
+                    per_block: bool = True, blocks=None) -> nn.Module:
+    """DDP's layout on FSDP2's machinery (torch's FSDP2-based `replicate`): every rank keeps all parameters,
+    gradients and optimizer state; each unit's gradients are all-reduced as its backward ends. Units as in
+    apply_fsdp, with the same mixed-precision policy. This is what the exact estimator runs for "ddp":
+    DistributedDataParallel's C++ Reducer cannot run on fake tensors."""
+    from ._torch_private import replicate_fn
+
+    replicate = replicate_fn()
+    kwargs = {"mesh": mesh}
+    policy = mixed_precision_policy(precision, reduce_precision)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    if per_block:
+        for block in blocks if blocks is not None else blocks_of(model):
+            replicate(block, **kwargs)
+    replicate(model, **kwargs)
+    return model
+
+
+def data_parallel_mesh(setting, device_type: str = "cpu"):
+    """The mesh `setting`'s strategy runs on: 1-D over all ranks; for hybrid_shard 2-D (replicate across
+    shard groups, shard inside one). Built outside FakeTensorMode: a mesh holds real tensors of rank ids."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if setting.strategy == "hybrid_shard":
+        return init_device_mesh(device_type, (setting.world_size // setting.shards, setting.shards),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (setting.world_size,))
+
+
+def apply_data_parallel(model: nn.Module, setting, mesh) -> nn.Module:
+    """`setting`'s strategy on `model` over `mesh` (from data_parallel_mesh): FSDP2 for full_shard,
+    shard_grad_op and hybrid_shard; FSDP2's replicate for ddp. The one place the estimator and the live
+    measurement choose how a TrainSetting is parallelised."""
+    if setting.strategy == "ddp":
+        return apply_replicate(model, mesh, precision=setting.precision, per_block=setting.per_block)
+    if setting.strategy not in ("full_shard", "shard_grad_op", "hybrid_shard"):
+        raise ValueError(f"strategy {setting.strategy!r} has no FSDP2 implementation (ZeRO-1/2 are DeepSpeed's): "
+                         "use ddp, shard_grad_op, full_shard or hybrid_shard.")
+    return apply_fsdp(model, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
+                      per_block=setting.per_block)
+
+
 def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, **fsdp1_options) -> nn.Module:
     """The posts' API: `FullyShardedDataParallel(model, ...)` with one unit per block (ModuleWrapPolicy over
     the blocks' class) when `per_block`, the whole model as one unit otherwise. `fsdp1_options` go to

@@ -108,6 +108,12 @@ BAD = {
                      "LoRA targets ['q_proj', 'k_proj', 'v_proj', 'o_proj'] match no module of GPTNeoXForCausalLM; "
                      "its Linear layers are dense, dense_4h_to_h, dense_h_to_4h, query_key_value"),
     "hub offline": (["--model", "acme/not-cached"], "acme/not-cached is not in the local Hugging Face cache"),
+    "mesh": (["--model", "tiny", "--world-size", "6", "--strategy", "hybrid_shard", "--shard-group-size", "4"],
+             "hybrid_shard needs world_size (6) to be a multiple of shard_group_size (4)."),
+    "shard group alone": (["--model", "tiny", "--shard-group-size", "4"],
+                          "--shard-group-size sets hybrid_shard's shard group: add --strategy hybrid_shard."),
+    "contradiction": (["--model", "tiny", "--strategy", "ddp", "--no-reshard-after-forward"],
+                      "--no-reshard-after-forward is --strategy shard_grad_op; it contradicts --strategy ddp"),
 }
 
 
@@ -128,6 +134,23 @@ def test_bad_input_from_the_command_line_has_no_traceback():
         "fsdplab: unknown model 'llama2-7': did you mean llama2-7b, llama2-70b or llama2-13b? Use a registered name "
         "(qwen-7b, qwen2-7b, llama2-7b, llama2-13b, llama2-70b, tiny), a config.json, a model folder, or a Hub id "
         "such as Qwen/Qwen2-7B."]
+
+
+# --- every strategy, exact ------------------------------------------------------------------------------------
+
+def test_each_strategy_has_an_exact_estimate(capsys):
+    """HSDP at 4 ranks in groups of 2 keeps what FULL_SHARD keeps at 2; DDP keeps what one rank keeps."""
+    resident = {}
+    for name, argv in {"full_shard x2": ["--world-size", "2"], "full_shard x1": ["--world-size", "1"],
+                       "hybrid_shard": ["--world-size", "4", "--strategy", "hybrid_shard", "--shard-group-size", "2"],
+                       "ddp": ["--world-size", "4", "--strategy", "ddp"]}.items():
+        code, out, err = cli(capsys, "--model", "tiny", "--seq-len", "32", *argv, "--json")
+        assert code == 0, err
+        data = json.loads(out)
+        assert data["settings"]["strategy"] == name.split()[0]
+        resident[name] = data["resident"]
+    assert resident["hybrid_shard"] == resident["full_shard x2"]
+    assert resident["ddp"] == resident["full_shard x1"]
 
 
 # --- the frozen base in 16 bits ------------------------------------------------------------------------------
