@@ -264,7 +264,6 @@ def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
         # by to_empty, after which FSDP2 re-pads the shards, as it does for real runs built on meta.
         net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
         say("model built on the meta device")
-        _untie_parameters(net)
         apply_data_parallel(net, setting, mesh)
         with fake_tensor_mode(), eager_attention_masks():
             net.to_empty(device="cpu")
@@ -275,25 +274,6 @@ def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
             say("sharded; running two training steps")
             return _run_steps(net, opt, batch, 2, progress=say, offload=setting.cpu_offload,
                               state_only_first=state_only_first)
-
-
-def _untie_parameters(model) -> None:
-    """Give each module its own copy of a parameter it shares with another (tied input and output embeddings),
-    as the estimator always had them: it used to materialise the model before sharding it, and `to_empty`
-    from meta to fake tensors makes a new parameter for each module, while sharding on the meta device keeps
-    the tie. Tied weights thus count twice in an estimate but once on live ranks (measure_setting); without
-    this call they would count once, changing the numbers of such models (gemma, small Qwen2 and Llama)."""
-    import torch
-    from torch import nn
-
-    seen = set()
-    with torch.no_grad():
-        for module in model.modules():
-            for name, param in module._parameters.items():
-                if param is not None and id(param) in seen:
-                    module._parameters[name] = nn.Parameter(torch.empty_like(param), param.requires_grad)
-                elif param is not None:
-                    seen.add(id(param))
 
 
 def _step_local_shards(optimizer) -> None:

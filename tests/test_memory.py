@@ -186,3 +186,21 @@ def test_dashboard_draws_formula_and_set_changes_it():
     thread.join(timeout=120)
     assert not dash.exact_button.disabled and dash.result["exact"].settings["seq_len"] == 128
     assert any("step 2/2 done" in text for text in shown) and "per-rank memory (estimate)" in shown[-1]
+
+
+def test_tied_embeddings_count_once(cluster):
+    """A model whose output layer shares the input embedding (gemma, small Qwen2 and Llama): one weight, in
+    the estimate, the formula and on live ranks alike."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=512, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    untied = LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False})
+    est = estimate(model=config, world_size=2, seq_len=32, progress=False)
+    assert est.resident == formula(model=config, world_size=2, seq_len=32).resident
+    embedding = 512 * 64 * 4 // 2                # fp32, half of it on each of 2 ranks
+    assert estimate(model=untied, world_size=2, seq_len=32, progress=False).resident["parameters"] \
+        == est.resident["parameters"] + embedding
+    for report in cluster.run(measure_setting, model=config, world_size=2, seq_len=32):
+        assert report.resident == est.resident
