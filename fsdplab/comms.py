@@ -335,11 +335,14 @@ def toy_step(model, optimizer, cfg, batch_size, seed, counter=None, device="cpu"
 
 
 def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2, seed: int = 0,
-                     mesh=None, explicit_prefetch: int = 0, warmup_steps: int = 1) -> dict:
+                     mesh=None, explicit_prefetch: int = 0, warmup_steps: int = 1,
+                     backward_prefetch: str = "implicit") -> dict:
     """Build the tiny transformer, parallelize it with `strategy`, run `warmup_steps` steps, then count one.
 
     Runs on a rank (inside `cluster.run`). `explicit_prefetch=k` (FSDP only) sets
     `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` to the next k blocks.
+    `backward_prefetch` (FSDP only, see `set_backward_prefetch`): "implicit" (nothing set), "empty list"
+    (`set_modules_to_backward_prefetch([])` on every unit) or "off".
     Returns plain data: the event log, the parameter count of the blocks and of the rest (the root unit),
     and the bytes of one fp32 copy of all parameters."""
     from .dist import this_rank
@@ -356,6 +359,8 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     model = parallelize(model, strategy, mesh=mesh)
     if explicit_prefetch and strategy in ("full_shard", "shard_grad_op"):
         set_explicit_prefetch(model, explicit_prefetch)
+    if backward_prefetch != "implicit" and strategy in ("full_shard", "shard_grad_op"):
+        set_backward_prefetch(model, backward_prefetch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     rank = this_rank()
 
@@ -412,6 +417,31 @@ def set_explicit_prefetch(model, depth: int = 1) -> None:
             block.set_modules_to_forward_prefetch(ahead)
         if behind:
             block.set_modules_to_backward_prefetch(behind)
+
+
+BACKWARD_PREFETCH_MODES = ("implicit", "empty list", "off")
+
+
+def set_backward_prefetch(model, mode: str = "off") -> None:
+    """Set every FSDP2 unit's backward prefetch list (the model and each module `fully_shard` wrapped).
+
+    FSDP2 has no off switch. Its `_pre_backward` (read in torch 2.13; earlier FSDP2 releases test the
+    same) runs the implicit prefetch (the previous unit in post-forward order) only when the unit's list is
+    empty, then prefetches what the list names. So "empty list" (`set_modules_to_backward_prefetch([])`)
+    restores the implicit default; "off" lists each unit itself, which disables the implicit prefetch and
+    prefetches nothing, since a unit is already unsharded when its own backward starts. Lesson 02 and
+    tests/test_comms.py check both on the event log."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if mode not in BACKWARD_PREFETCH_MODES:
+        raise ValueError(f"mode must be one of {BACKWARD_PREFETCH_MODES}, got {mode!r}.")
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError("no FSDP2 unit in this model: call fully_shard (sharding.parallelize) first.")
+    if mode == "implicit":
+        return
+    for unit in units:
+        unit.set_modules_to_backward_prefetch([] if mode == "empty list" else [unit])
 
 
 def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_prefetch: bool = False,

@@ -1,7 +1,8 @@
 """Mixed-precision pitfalls under FSDP, each one measured on real tensors or real ranks.
 
-- fp16 has a tiny range (max 65504, smallest subnormal 6e-8): activations overflow, small gradients
-  underflow, and AdamW's eps=1e-8 is 0 in fp16. bf16 has fp32's range with fewer mantissa bits.
+- fp16 has a tiny range (max 65504, smallest subnormal 6e-8): an activation above 65504 is inf (norm
+  kernels themselves accumulate in fp32, a hand-written norm that squares in fp16 does not), small
+  gradients underflow, and AdamW's eps=1e-8 is 0 in fp16. bf16 has fp32's range with fewer mantissa bits.
 - The optimizer keeps fp32 state only if the parameters it was built on are fp32: a model loaded in fp16
   gets fp16 AdamW state.
 - `MixedPrecisionPolicy` / FSDP1 `MixedPrecision` cast every parameter, norm weights included, to
@@ -39,19 +40,57 @@ def dtype_table() -> list:
     return rows
 
 
-def rms_in(dtype_name: str, scales, dim: int = 4096, seed: int = 0) -> list:
-    """Relative error of a naive RMS (sqrt(mean(x*x))) computed in `dtype_name`, for activations of RMS
-    `scale`; inf where x*x overflows. This is the sum a norm layer computes."""
+NORM_MODULES = ("LayerNorm", "RMSNorm", "naive RMSNorm")
+
+
+class NaiveRMSNorm(nn.Module):
+    """An RMSNorm that squares in its input's dtype: x * rsqrt(mean(x*x) + eps). torch's and HF's norms do
+    not do this (they accumulate in fp32); a hand-written norm without an fp32 upcast does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _norm_module(name: str, dim: int) -> nn.Module:
+    if name == "LayerNorm":
+        return nn.LayerNorm(dim)
+    if name == "RMSNorm":
+        return nn.RMSNorm(dim, eps=1e-6)
+    if name == "naive RMSNorm":
+        return NaiveRMSNorm(dim)
+    raise ValueError(f"norm must be one of {NORM_MODULES}, got {name!r}.")
+
+
+def norm_errors(scales, dtypes=("fp16", "bf16"), norms=NORM_MODULES, dim: int = 4096, rows: int = 4,
+                seed: int = 0) -> dict:
+    """Run real norm modules on activations x ~ N(0, scale^2) (`rows` x `dim`) in each dtype.
+
+    Returns {"errors": {(norm, dtype): [relative L2 error of the output vs the same module in float64, nan
+    where the output is not finite]}, "input_inf": {dtype: [fraction of x that is inf once cast to dtype]}},
+    one entry per scale. The module is called as a model calls it: weights and input in the dtype."""
     gen = torch.Generator().manual_seed(seed)
-    base = torch.randn(dim, generator=gen, dtype=torch.float64)
-    out = []
+    base = torch.randn(rows, dim, generator=gen, dtype=torch.float64)
+    errors = {(n, d): [] for n in norms for d in dtypes}
+    input_inf = {d: [] for d in dtypes}
     for scale in scales:
         x64 = base * scale
-        exact = x64.pow(2).mean().sqrt()
-        x = x64.to(torch_dtype(dtype_name))
-        got = x.mul(x).mean().sqrt().double()
-        out.append(float("inf") if not torch.isfinite(got) else float((got - exact).abs() / exact))
-    return out
+        for d in dtypes:
+            input_inf[d].append(float((~torch.isfinite(x64.to(torch_dtype(d)))).double().mean()))
+        for n in norms:
+            module = _norm_module(n, dim).double()
+            with torch.no_grad():
+                exact = module(x64)
+                for d in dtypes:
+                    got = module.to(torch_dtype(d))(x64.to(torch_dtype(d))).double()
+                    module.double()
+                    err = (got - exact).norm() / exact.norm()
+                    errors[(n, d)].append(float(err) if torch.isfinite(got).all() else float("nan"))
+    return {"errors": errors, "input_inf": input_inf, "scales": list(scales)}
 
 
 def tiny_gradients(cfg=None, seed: int = 0) -> torch.Tensor:
@@ -367,20 +406,27 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
 
 # --- figures ---------------------------------------------------------------------------------------
 
-def draw_ranges(fig, scales, rms_errors: dict, shrinks, underflow: dict):
-    """Left: relative error of an RMS computed in each dtype vs activation size (inf drawn at the top).
+def draw_ranges(fig, norms: dict, shrinks, underflow: dict):
+    """Left: relative error of each real norm module's output in fp16 / bf16 vs activation size (`norm_errors`),
+    a non-finite output drawn as x at the top, the scales where fp16 cannot hold the input shaded.
     Right: fraction of real gradients that become 0 in each dtype / loss scale vs how small they are."""
-    ax_rms, ax_under = fig.subplots(1, 2)
-    for name, errs in rms_errors.items():
-        finite = [e if math.isfinite(e) else float("nan") for e in errs]
-        line, = ax_rms.plot(scales, finite, marker="o", label=name)
-        inf_x = [s for s, e in zip(scales, errs) if not math.isfinite(e)]
-        if inf_x:
-            ax_rms.plot(inf_x, [1.0] * len(inf_x), "x", color=line.get_color(), markersize=9,
-                        label=f"{name}: inf (x*x > {torch.finfo(torch_dtype(name)).max:g})")
-    ax_rms.set(xscale="log", yscale="log", xlabel="activation RMS (value scale)",
-               ylabel="relative error of sqrt(mean(x*x))", title="activations: overflow in a norm's sum")
-    ax_rms.legend(fontsize=7)
+    ax_norm, ax_under = fig.subplots(1, 2)
+    scales, top = norms["scales"], 2.0
+    styles = {"LayerNorm": ("o", "-"), "RMSNorm": ("s", "--"), "naive RMSNorm": ("^", ":")}
+    colours = {"fp16": "tab:red", "bf16": "tab:blue"}
+    for (name, dtype), errs in norms["errors"].items():
+        marker, ls = styles.get(name, ("o", "-"))
+        ax_norm.plot(scales, [e if math.isfinite(e) else float("nan") for e in errs], marker=marker, ls=ls,
+                     color=colours.get(dtype), alpha=0.8, label=f"{name}, {dtype}")
+        bad = [s for s, e in zip(scales, errs) if not math.isfinite(e)]
+        ax_norm.plot(bad, [top] * len(bad), "x", color=colours.get(dtype), markersize=10)
+    first_inf = next((s for s, f in zip(scales, norms["input_inf"].get("fp16", [])) if f > 0), None)
+    if first_inf is not None:
+        ax_norm.axvspan(first_inf, scales[-1] * 1.5, color="tab:red", alpha=0.08,
+                        label=f"fp16 input holds inf (|x| > {torch.finfo(torch.float16).max:g}); x: output NaN")
+    ax_norm.set(xscale="log", yscale="log", ylim=(1e-7, top * 2), xlabel="activation RMS (scale of x)",
+                ylabel="relative error of the norm's output", title="norm layers in fp16 and bf16 (real modules)")
+    ax_norm.legend(fontsize=6.5, loc="lower left", ncol=2)
     for label, fractions in underflow.items():
         ax_under.plot(shrinks, fractions, marker="o", label=label)
     ax_under.set(xscale="log", xlabel="gradient size (x the tiny model's real gradients)",
@@ -414,13 +460,24 @@ def draw_scalers(fig, runs: dict, inf_step: int):
     fig.tight_layout()
 
 
+def curve_spread(curves: dict, reference: str = "fp32") -> dict:
+    """{mode: largest |loss - reference loss| over the steps where the mode's loss is finite}."""
+    return {mode: max((abs(a - b) for a, b in zip(losses, curves[reference]) if math.isfinite(a)), default=float("nan"))
+            for mode, losses in curves.items() if mode != reference}
+
+
 def draw_curves(fig, curves: dict, title: str = ""):
-    """Left: loss per step for each precision mode (a mode that turned NaN is marked where it did).
-    Right: each mode's |loss - fp32 loss| per step, log scale (where the modes actually differ)."""
+    """Left: loss per step for each precision mode. The finite curves lie on top of each other, so each mode
+    gets its own marker, placed on different steps, and the panel states the largest distance from fp32; a
+    mode that turned NaN is marked where it did. Right: each mode's |loss - fp32 loss| per step, log scale
+    (where the modes actually differ)."""
     ax, ax_diff = fig.subplots(1, 2)
-    for mode, losses in curves.items():
+    markers = "osD^v"
+    spread = curve_spread(curves)
+    for k, (mode, losses) in enumerate(curves.items()):
         line, = ax.plot(range(len(losses)), losses, label=mode, lw=2.5 if mode == "fp32" else 1.2,
-                        ls="-" if mode in ("fp32", "bf16") else "--")
+                        ls="-" if mode in ("fp32", "bf16") else "--", marker=markers[k % len(markers)],
+                        markevery=(k, len(curves)), markersize=6, alpha=0.85)
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
         if bad is not None:
             last = losses[bad - 1] if bad else losses[0]
@@ -431,6 +488,13 @@ def draw_curves(fig, curves: dict, title: str = ""):
             diff = [abs(a - b) if math.isfinite(a) else float("nan") for a, b in zip(losses, curves["fp32"])]
             ax_diff.plot(range(len(diff)), [max(d, 1e-9) for d in diff], marker=".", color=line.get_color(),
                          label=mode)
+    finite = {m: v for m, v in spread.items() if math.isfinite(v) and all(map(math.isfinite, curves[m]))}
+    if finite:
+        worst = max(finite, key=finite.get)
+        ax.text(0.02, 0.03, f"the curves overlap: the finite ones stay within {finite[worst]:.1e} nats of fp32\n"
+                f"(largest: {worst}); markers sit on different steps so each is visible",
+                transform=ax.transAxes, fontsize=7.5, va="bottom",
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
     ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)", title="loss")
     ax.legend(fontsize=8)
     ax_diff.set(yscale="log", xlabel="step", ylabel="|loss - fp32 loss| (nats)", title="distance from fp32")

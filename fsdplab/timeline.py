@@ -173,17 +173,22 @@ def _classify(events, on_gpu: bool) -> list:
 
 def simulate_step(num_layers: int = 8, layer_compute_s: float = 0.01, layer_bytes: float = 100e6,
                   world_size: int = 8, link="NVLink A100", prefetch: int = 1, backward_factor: float = 2.0,
-                  strategy: str = "full_shard") -> dict:
+                  strategy: str = "full_shard", forward_prefetch: int | None = None,
+                  backward_prefetch: int | None = None) -> dict:
     """Event simulation of one FSDP step with a compute stream and one communication channel (FIFO).
 
-    Forward: layer i computes once its all-gather is done. With `prefetch=k` the all-gathers of the next k
-    layers are launched when layer i starts (FSDP2's explicit prefetch; FSDP1's forward_prefetch for k=1);
-    with 0 each all-gather is launched only when its layer is reached. Backward (reverse order, compute
-    `backward_factor` x forward): the same for the backward all-gathers (FULL_SHARD only), and each layer's
-    reduce-scatter is launched when its backward ends. The step ends when the last reduce-scatter and the
-    last compute are done. Returns step_s, compute_s, comm_s, exposed_comm_s, and the intervals."""
-    if num_layers < 1 or world_size < 1 or prefetch < 0:
-        raise ValueError("num_layers and world_size must be >= 1 and prefetch >= 0 (layers ahead).")
+    Forward: layer i computes once its all-gather is done. With `forward_prefetch=k` the all-gathers of the
+    next k layers are launched when layer i starts (FSDP2's explicit prefetch; FSDP1's forward_prefetch for
+    k=1); with 0 each all-gather is launched only when its layer is reached. Backward (reverse order,
+    compute `backward_factor` x forward): the same with `backward_prefetch` for the backward all-gathers
+    (FULL_SHARD only; k=1 is FSDP1's BACKWARD_PRE and FSDP2's default), and each layer's reduce-scatter is
+    launched when its backward ends. `prefetch` sets both depths where they are not given. The step ends
+    when the last reduce-scatter and the last compute are done. Returns step_s, compute_s, comm_s,
+    exposed_comm_s, all_gather_s and layer_forward_s (one layer's), the depths, and the intervals."""
+    forward_prefetch = prefetch if forward_prefetch is None else forward_prefetch
+    backward_prefetch = prefetch if backward_prefetch is None else backward_prefetch
+    if num_layers < 1 or world_size < 1 or min(prefetch, forward_prefetch, backward_prefetch) < 0:
+        raise ValueError("num_layers and world_size must be >= 1 and every prefetch depth >= 0 (layers ahead).")
     if strategy not in ("full_shard", "shard_grad_op"):
         raise ValueError("strategy must be 'full_shard' or 'shard_grad_op'.")
     link = get_link(link)
@@ -200,7 +205,7 @@ def simulate_step(num_layers: int = 8, layer_compute_s: float = 0.01, layer_byte
                           "end_s": comm_free})
         return comm_free
 
-    def run_pass(order, seconds, phase, gather):
+    def run_pass(order, seconds, phase, gather, prefetch):
         nonlocal now
         ready, launched = {}, set()
         for pos, layer in enumerate(order):
@@ -219,15 +224,17 @@ def simulate_step(num_layers: int = 8, layer_compute_s: float = 0.01, layer_byte
                 communicate("reduce_scatter", f"layers.{layer}", now, rs)
 
     now = 0.0
-    run_pass(list(range(num_layers)), layer_compute_s, "fwd", gather=True)
+    run_pass(list(range(num_layers)), layer_compute_s, "fwd", gather=True, prefetch=forward_prefetch)
     run_pass(list(range(num_layers))[::-1], layer_compute_s * backward_factor, "bwd",
-             gather=(strategy == "full_shard"))
+             gather=(strategy == "full_shard"), prefetch=backward_prefetch)
     step = max(now, comm_free)
     compute = num_layers * layer_compute_s * (1 + backward_factor)
     comm = sum(i["end_s"] - i["start_s"] for i in intervals if i["row"] == "comm")
     return {"step_s": step, "compute_s": compute, "comm_s": comm, "exposed_comm_s": step - compute,
-            "all_gather_s": ag, "reduce_scatter_s": rs, "intervals": intervals, "link": link.name,
-            "prefetch": prefetch, "world_size": world_size}
+            "all_gather_s": ag, "reduce_scatter_s": rs, "layer_forward_s": layer_compute_s,
+            "intervals": intervals, "link": link.name, "prefetch": max(forward_prefetch, backward_prefetch),
+            "forward_prefetch": forward_prefetch, "backward_prefetch": backward_prefetch,
+            "world_size": world_size}
 
 
 # --- drawing ------------------------------------------------------------------------------------------

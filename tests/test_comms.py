@@ -141,6 +141,31 @@ def test_plain_and_functional_calls_counted(cluster):
     assert debug_total == len(records)  # torch's own CommDebugMode sees the same number of collectives
 
 
+def test_backward_prefetch_off_and_empty_list(steps, cluster):
+    def order(out):
+        return [(e.get("label") if e["event"] == "marker" else (e["kind"], e["unit"]))
+                for e in out["events"] if e["event"] != "reshard"]
+
+    empty = cluster.run(comms.count_train_step, "full_shard", cfg=CFG, backward_prefetch="empty list", quiet=True)[0]
+    off = cluster.run(comms.count_train_step, "full_shard", cfg=CFG, backward_prefetch="off", quiet=True)[0]
+    assert order(empty) == order(steps["full_shard"])              # [] restores the implicit default
+    assert comms.peak_live_units(off["events"], "backward") == 1   # each unit listing itself: no prefetch
+    bwd = [(r["kind"], r["unit"]) for r in _collectives(off) if r["phase"] == "backward"]
+    assert bwd.index(("all_gather", "layers.1")) > bwd.index(("reduce_scatter", "layers.2"))   # gathered late
+    with pytest.raises(ValueError, match="mode"):
+        comms.set_backward_prefetch(None, "sometimes")
+
+
+def test_bytes_checker(steps):
+    from fsdplab.exercises import check
+
+    p = steps["ddp"]["param_bytes"]
+    measured = sum(r["sent_bytes"] for r in _collectives(steps["full_shard"]))
+    assert check("02-bytes", 3 * (2 - 1) / 2 * p, measured=measured).ok
+    wrong = check("02-bytes", 0.6 * 2 * (2 - 1) / 2 * p, measured=measured)   # the posts' 0.6 x DDP
+    assert not wrong.ok and "Hint" in wrong.message
+
+
 def test_bad_prefetch_depth():
     with pytest.raises(ValueError, match="depth"):
         comms.set_explicit_prefetch(None, 0)
@@ -158,3 +183,38 @@ def test_tensor_parallel_all_reduces_counted_on_tp_dim(cluster):
     assert [r["phase"] for r in tp].count("forward") == CFG.num_layers
     assert [r["phase"] for r in tp].count("backward") == CFG.num_layers
     assert all(r["kind"] == "all_reduce" and r["tensor_bytes"] == 2 * CFG.seq_len * CFG.dim * 4 for r in tp)
+
+
+def _hand_step(average=True, reduce="reduce_scatter"):
+    def step(shard, batch):
+        import torch
+        import torch.distributed as dist
+
+        from fsdplab.lessons.prefetch import toy_loss
+
+        n = dist.get_world_size()
+        full = torch.empty(shard.shape[0] * n, *shard.shape[1:])
+        dist.all_gather_into_tensor(full, shard)
+        full.requires_grad_(True)
+        toy_loss(full, batch).backward()
+        grad = full.grad / n if average else full.grad
+        if reduce == "all_reduce":
+            dist.all_reduce(grad)
+            return grad.chunk(n)[dist.get_rank()]
+        out = torch.empty_like(shard)
+        dist.reduce_scatter_tensor(out, grad)
+        return out
+    return step
+
+
+def test_sharded_step_checker(cluster):
+    from fsdplab.exercises import check
+
+    right = check("02-sharded-step", _hand_step(), cluster=cluster)
+    assert right.ok and "all_gather + reduce_scatter" in right.message
+    unaveraged = check("02-sharded-step", _hand_step(average=False), cluster=cluster)
+    assert not unaveraged.ok and "divide" in unaveraged.message
+    all_reduce = check("02-sharded-step", _hand_step(reduce="all_reduce"), cluster=cluster)
+    assert not all_reduce.ok and "sent" in all_reduce.message               # right gradients, too many bytes
+    assert not check("02-sharded-step", lambda shard, batch: None, cluster=cluster).ok
+    assert not check("02-sharded-step", 3, cluster=cluster).ok

@@ -18,10 +18,41 @@ def test_dtype_table_and_adam_eps():
     assert rows["bf16"]["adam_eps_1e-8"] > 0 and rows["bf16"]["max"] > 1e38
 
 
-def test_norm_sum_overflows_in_fp16_only():
-    fp16, bf16 = P.rms_in("fp16", [1, 300]), P.rms_in("bf16", [1, 300])
-    assert math.isfinite(fp16[0]) and fp16[1] == float("inf")
-    assert all(math.isfinite(e) and e < 0.02 for e in bf16)
+def test_norm_kernels_hold_in_fp16_until_the_input_overflows():
+    out = P.norm_errors([1, 1000, 1e5], dim=256)
+    for name in ("LayerNorm", "RMSNorm"):
+        fp16 = out["errors"][(name, "fp16")]
+        assert fp16[0] < 1e-3 and fp16[1] < 1e-3 and math.isnan(fp16[2])   # 1e5 RMS: the fp16 input holds inf
+    assert out["errors"][("naive RMSNorm", "fp16")][1] > 0.5                # x*x overflowed inside the norm
+    assert out["input_inf"]["fp16"][:2] == [0.0, 0.0] and out["input_inf"]["fp16"][2] > 0
+    assert all(math.isfinite(e) and e < 0.02 for n in P.NORM_MODULES for e in out["errors"][(n, "bf16")])
+    with pytest.raises(ValueError):
+        P.norm_errors([1], norms=("BatchNorm",))
+
+
+def test_curve_spread_skips_nan():
+    spread = P.curve_spread({"fp32": [1.0, 2.0], "bf16": [1.1, 2.0], "fp16 model": [1.0, float("nan")]})
+    assert spread["bf16"] == pytest.approx(0.1) and spread["fp16 model"] == 0.0
+
+
+def test_loss_scale_checker_and_verdicts():
+    from fsdplab.exercises import check
+    from fsdplab.lessons import mixed_precision as M
+
+    grads = P.tiny_gradients(CFG)
+    low, high = M.safe_loss_scales(grads, 1e-4)
+    assert P.underflow_fraction(grads, "fp16", low, 1e-4) == 0 < P.underflow_fraction(grads, "fp16", low / 2, 1e-4)
+    assert check("04-loss-scale", low, grads=grads, shrink=1e-4).ok
+    too_small = check("04-loss-scale", 1.0, grads=grads, shrink=1e-4)
+    assert not too_small.ok and "scale up" in too_small.message
+    too_big = check("04-loss-scale", high * 4, grads=grads, shrink=1e-4)
+    assert not too_big.ok and "Scale down" in too_big.message
+    assert not check("04-loss-scale", None, grads=grads, shrink=1e-4).ok
+    adam = P.adam_state_dtypes()
+    assert M.claim9_verdict(adam) == "PARTLY TRUE"
+    assert M.claim9_verdict({k: {"state_dtype": "float32"} for k in adam}) == "TRUE"
+    assert M.claim10_verdict("AttributeError: x", ["bfloat16"]) == "WRONG"
+    assert M.claim10_verdict("no error", ["float32"]) == "TRUE"
 
 
 def test_underflow_fraction():

@@ -31,6 +31,47 @@ def test_prefetch_never_hurts_and_is_bounded():
         assert on["step_s"] >= max(on["compute_s"], on["comm_s"]) - 1e-12
 
 
+def test_forward_and_backward_prefetch_switch_separately():
+    kw = dict(num_layers=6, layer_compute_s=0.01, layer_bytes=1e8, world_size=16, link="PCIe 4.0")
+    none = timeline.simulate_step(forward_prefetch=0, backward_prefetch=0, **kw)
+    bwd = timeline.simulate_step(forward_prefetch=0, backward_prefetch=1, **kw)
+    fwd = timeline.simulate_step(forward_prefetch=1, backward_prefetch=0, **kw)
+    both = timeline.simulate_step(prefetch=1, **kw)
+    assert none["step_s"] > bwd["step_s"] > both["step_s"] and none["step_s"] > fwd["step_s"] > both["step_s"]
+    assert (bwd["forward_prefetch"], bwd["backward_prefetch"]) == (0, 1)
+    assert none["layer_forward_s"] == 0.01
+    # forward intervals are the same with or without backward prefetch
+    fwd_rows = [i for i in none["intervals"] if i["label"].startswith("fwd")]
+    assert fwd_rows == [i for i in bwd["intervals"] if i["label"].startswith("fwd")]
+
+
+def test_lesson_prefetch_gains_and_verdicts():
+    from fsdplab.lessons import prefetch as L
+
+    g = L.prefetch_gains("NVLink H100")
+    assert 0 < g["gains"]["backward only (BACKWARD_PRE)"] < g["gains"]["both"]
+    r = L.simulate("NVLink H100", num_layers=3)
+    assert r["layer_forward_s"] == pytest.approx(2 * 200e6 * 4 * 1024 / 150e12)      # one layer, not the step
+    assert g["ratio"] == pytest.approx(r["all_gather_s"] / r["layer_forward_s"])
+    assert L.claim4_verdict(1.5) == "WRONG" and L.claim4_verdict(0.6) == "RIGHT"
+    assert L.claim5_verdict(1.0, 1.5, 4, 4) == "PARTLY" and L.claim5_verdict(1.5, 1.5, 4, 4) == "WRONG"
+    assert L.claim6_verdict(2, [0.05, 0.2]) == "PARTLY" and L.claim6_verdict(2, [0.2]) == "RIGHT"
+    assert L.claim6_verdict(3, [0.05]) == "WRONG"
+
+
+def test_draw_gains_labels_each_point_once():
+    import matplotlib.pyplot as plt
+    from fsdplab.lessons import prefetch as L
+
+    presets = {name: L.prefetch_gains(name) for name in network.PRESETS}
+    curve = [L.prefetch_gains(network.Link("x", b)) for b in (1.0, 10.0, 100.0)]
+    fig, ax = plt.subplots()
+    L.draw_gains(ax, curve, presets)
+    labels = [t.get_text() for t in ax.texts]
+    assert "IB 100 / 100 GbE" in labels and len(labels) == len(network.PRESETS) - 1
+    plt.close(fig)
+
+
 def test_simulator_limits_and_shard_grad_op():
     fast = timeline.simulate_step(link=network.Link("infinite", 1e9, 0.0), prefetch=1)
     assert fast["exposed_comm_s"] < 1e-6 * fast["step_s"] + 1e-9

@@ -1,0 +1,188 @@
+"""Lesson 02 (prefetch and communication) only: the overlap simulator at the lesson's sizes, the prefetch
+gains figure, the claims' verdicts as functions of what the lesson measured, and the exercise checkers.
+
+Claim 4: "FSDP's communication is 40% lower than DDP's". Claim 5: "< 13B or LoRA: use SHARD_GRAD_OP; 70B must
+use FULL_SHARD". Claim 6: "BACKWARD_PRE gives +15-25% throughput, holds two layers' params; forward prefetch
+is experimental".
+"""
+
+from __future__ import annotations
+
+from ..exercises import close, exercise
+from ..timeline import simulate_step
+
+CLAIM4_RATIO = 0.6          # "40% lower": FSDP = 0.6 x DDP
+CLAIM6_GAIN = (0.15, 0.25)  # "+15-25% throughput"
+# Short names for figure labels, in PRESETS order.
+SHORT_NAMES = {"NVLink A100 (300 GB/s)": "NVLink A100", "NVLink H100 (450 GB/s)": "NVLink H100",
+               "PCIe 4.0 x16 (31.5 GB/s)": "PCIe 4", "PCIe 5.0 x16 (63 GB/s)": "PCIe 5",
+               "InfiniBand 100 Gb/s (12.5 GB/s)": "IB 100", "InfiniBand 200 Gb/s (25 GB/s)": "IB 200",
+               "InfiniBand 400 Gb/s (50 GB/s)": "IB 400", "Ethernet 10 GbE (1.25 GB/s)": "10 GbE",
+               "Ethernet 25 GbE (3.125 GB/s)": "25 GbE", "Ethernet 100 GbE (12.5 GB/s)": "100 GbE"}
+# The three switches compared, as (forward prefetch depth, backward prefetch depth).
+PREFETCH_CASES = {"none": (0, 0), "backward only (BACKWARD_PRE)": (0, 1), "forward only": (1, 0), "both": (1, 1)}
+
+
+# --- the simulator at the lesson's sizes ----------------------------------------------------------------
+
+def simulate(link, layer_mparams: float = 200, world_size: int = 16, tokens_k: float = 4, num_layers: int = 6,
+             flops_per_s: float = 150e12, forward_prefetch: bool = False, backward_prefetch: bool = True) -> dict:
+    """One FULL_SHARD step of `num_layers` layers of `layer_mparams` million parameters, `tokens_k` thousand
+    tokens per GPU: forward compute 2 x params x tokens / flops_per_s per layer, bf16 all-gathers."""
+    params = layer_mparams * 1e6
+    return simulate_step(num_layers=num_layers, layer_compute_s=2 * params * tokens_k * 1024 / flops_per_s,
+                         layer_bytes=2 * params, world_size=world_size, link=link,
+                         forward_prefetch=int(forward_prefetch), backward_prefetch=int(backward_prefetch))
+
+
+def prefetch_gains(link, **sizes) -> dict:
+    """Throughput gain of each prefetch case over no prefetch, and the ratio that decides it: one layer's
+    all-gather time / one layer's forward compute time (both read from the simulation)."""
+    steps = {case: simulate(link, forward_prefetch=bool(f), backward_prefetch=bool(b), **sizes)
+             for case, (f, b) in PREFETCH_CASES.items()}
+    none = steps["none"]
+    gains = {case: none["step_s"] / r["step_s"] - 1 for case, r in steps.items() if case != "none"}
+    return {"ratio": none["all_gather_s"] / none["layer_forward_s"], "gains": gains,
+            "step_s": {case: r["step_s"] for case, r in steps.items()}}
+
+
+def draw_gains(ax, curve: list, presets: dict, claim=CLAIM6_GAIN):
+    """Gain vs all-gather / forward ratio for each prefetch case (`curve`: prefetch_gains over a bandwidth
+    sweep), the presets as points on the backward-only line, labelled without overlap, the claim's band."""
+    styles = {"backward only (BACKWARD_PRE)": ("-", "tab:blue"), "forward only": (":", "tab:green"),
+              "both": ("--", "tab:purple")}
+    xs = [c["ratio"] for c in curve]
+    for case, (ls, colour) in styles.items():
+        ax.semilogx(xs, [c["gains"][case] * 100 for c in curve], ls, color=colour, label=case)
+    key = "backward only (BACKWARD_PRE)"
+    # Presets on (nearly) the same point share one label. Labels sit where the curve is not: left and above
+    # or right and below on its rising side, above at the peak, right and above on its falling side.
+    points: list = []
+    for name, g in sorted(presets.items(), key=lambda item: item[1]["ratio"]):
+        x, y = g["ratio"], g["gains"][key] * 100
+        if points and abs(x / points[-1][0] - 1) < 0.03 and abs(y - points[-1][1]) < 1.0:
+            points[-1][2].append(SHORT_NAMES.get(name, name))
+        else:
+            points.append((x, y, [SHORT_NAMES.get(name, name)]))
+    peak = max(points, key=lambda p: p[1])[0] if points else None
+    rising = 0
+    for x, y, names in points:
+        if x < peak:
+            offset, ha = ((-7, 6), "right") if rising % 2 == 0 else ((7, -11), "left")
+            rising += 1
+        elif x == peak:
+            offset, ha = (0, 8), "center"
+        else:
+            offset, ha = (6, 5), "left"
+        ax.plot(x, y, "o", color="tab:orange", zorder=3)
+        ax.annotate(" / ".join(names), (x, y), xytext=offset, textcoords="offset points", ha=ha, fontsize=7)
+    ax.axhspan(claim[0] * 100, claim[1] * 100, color="tab:red", alpha=0.12, label="posts' claim 6: +15-25%")
+    ax.set_xlabel("one layer's all-gather time / its forward compute time")
+    ax.set_ylabel("throughput gain over no prefetch (%)")
+    ax.set_ylim(bottom=-5)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+# --- verdicts -------------------------------------------------------------------------------------------
+
+def claim4_verdict(full_shard_vs_ddp: float, tolerance: float = 0.05) -> str:
+    """RIGHT when FULL_SHARD's measured bytes are within `tolerance` of the claimed 0.6 x DDP, else WRONG."""
+    return "RIGHT" if abs(full_shard_vs_ddp - CLAIM4_RATIO) <= tolerance else "WRONG"
+
+
+def claim5_verdict(shard_grad_op_vs_ddp: float, full_shard_vs_ddp: float, units_kept: int, num_units: int) -> str:
+    """RIGHT when SHARD_GRAD_OP sends fewer bytes than FULL_SHARD and keeps fewer than all units gathered,
+    PARTLY when it saves bytes but keeps every unit gathered (its memory cost), WRONG when it saves nothing."""
+    if shard_grad_op_vs_ddp >= full_shard_vs_ddp:
+        return "WRONG"
+    return "PARTLY" if units_kept >= num_units else "RIGHT"
+
+
+def claim6_verdict(backward_units: int, gains, claim=CLAIM6_GAIN) -> str:
+    """RIGHT when backward prefetch holds two units and every simulated gain falls in the claimed band; PARTLY
+    when one of the two holds (or only some gains are in the band); WRONG when neither."""
+    inside = [claim[0] <= g <= claim[1] for g in gains]
+    two = backward_units == 2
+    if two and all(inside):
+        return "RIGHT"
+    return "PARTLY" if two or any(inside) else "WRONG"
+
+
+# --- exercises ------------------------------------------------------------------------------------------
+
+@exercise("02-bytes")
+def _bytes(answer, *, measured, strategy="full_shard"):
+    """Bytes one rank sends per step (ring model) for `strategy`, against the counter's measurement."""
+    return close(answer, measured, rel=0.01, unit=" B",
+                 hint="one all-gather of every unit in forward, one more in backward (FULL_SHARD frees them "
+                      "after forward), one reduce-scatter of the gradients; each moves (N-1)/N of the full "
+                      "fp32 tensor per rank.")
+
+
+
+# --- the sharded data-parallel step, written by the learner -----------------------------------------------
+
+def toy_loss(weight, batch):
+    """The exercise's model and loss: one bias-free Linear (`weight` is out x in), mean of squared outputs."""
+    return (batch @ weight.t()).pow(2).mean()
+
+
+def compare_sharded_step(step_fn, dim: int = 8, batch_size: int = 4, seed: int = 0) -> dict:
+    """On a rank: run the learner's `step_fn(shard, batch) -> gradient shard` and the same step under
+    `fully_shard`, each inside a CommCounter. The weight has `dim x world_size` rows, so dim 0 splits evenly;
+    each rank's batch differs. Returns this rank's relative gradient error and both byte counts (ring model)."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from ..comms import CommCounter
+    from ..dist import mesh, this_rank, world_size
+
+    n, r = world_size(), this_rank()
+    weight = torch.randn(dim * n, dim, generator=torch.Generator().manual_seed(seed))
+    batch = torch.randn(batch_size, dim, generator=torch.Generator().manual_seed(seed + 1 + r))
+    with CommCounter(fsdp_labels=False) as mine:
+        got = step_fn(weight.chunk(n)[r].clone(), batch)
+    linear = nn.Linear(dim, dim * n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    fully_shard(linear, mesh=mesh())
+    with CommCounter(fsdp_labels=False) as ref:
+        linear(batch).pow(2).mean().backward()
+    expected = linear.weight.grad.to_local()
+    out = {"rank": r, "sent": mine.total("sent_bytes"), "fsdp_sent": ref.total("sent_bytes"),
+           "kinds": [c["kind"] for c in mine.records], "fsdp_kinds": [c["kind"] for c in ref.records],
+           "shape": tuple(getattr(got, "shape", ())), "expected_shape": tuple(expected.shape)}
+    if isinstance(got, torch.Tensor) and got.shape == expected.shape:
+        out["rel_error"] = float((got.detach() - expected).norm() / expected.norm())
+    else:
+        out["rel_error"] = float("inf")
+    return out
+
+
+@exercise("02-sharded-step")
+def _sharded_step(answer, *, cluster, rel=1e-5):
+    """The learner's all-gather / compute / reduce-scatter step against fully_shard: gradients and bytes."""
+    if not callable(answer):
+        return False, "expected a function step(shard, batch) that returns this rank's gradient shard."
+    try:
+        results = cluster.run(compare_sharded_step, answer)
+    except Exception as e:  # noqa: BLE001 - the learner's error is the answer to show
+        return False, f"your step raised on the ranks: {str(e).strip().splitlines()[0]}"
+    worst = max(results, key=lambda x: x["rel_error"])
+    sent, fsdp = results[0]["sent"], results[0]["fsdp_sent"]
+    if worst["shape"] == ():
+        return False, ("your step returned no tensor: return this rank's rows of the averaged gradient "
+                       "(the output of the reduce-scatter).")
+    if worst["shape"] != worst["expected_shape"]:
+        return False, (f"rank {worst['rank']} returned shape {worst['shape']}, fully_shard keeps "
+                       f"{worst['expected_shape']}: return only this rank's rows of the gradient (a reduce-scatter).")
+    if worst["rel_error"] > rel:
+        return False, (f"rank {worst['rank']}'s gradient differs from fully_shard's by {worst['rel_error']:.1e} "
+                       "(relative). Hint: fully_shard averages over ranks: divide the summed gradient by N.")
+    if sent != fsdp:
+        return False, (f"gradients match, but rank 0 sent {sent:,.0f} B with {results[0]['kinds']} where "
+                       f"fully_shard sent {fsdp:,.0f} B with {results[0]['fsdp_kinds']}: one all-gather of "
+                       "the weight, one reduce-scatter of its gradient.")
+    return True, (f"gradients match fully_shard's on every rank (worst relative error {worst['rel_error']:.1e}) and "
+                  f"rank 0 sent {sent:,.0f} B, as fully_shard did ({' + '.join(results[0]['fsdp_kinds'])}).")
