@@ -1,0 +1,506 @@
+"""Lesson 08 (activation checkpointing and wrap policies: claims 8, 11 and 20) only.
+
+- claim 8: what recomputation costs (FLOPs counted by torch's FlopCounterMode), what it saves (bytes of the
+  tensors autograd keeps for backward, counted with saved_tensors_hooks), and what the posts'
+  `checkpoint(..., preserve_rng_state=False)` does to gradients when the block has dropout (on live ranks);
+- claim 11: the posts' `size_based_auto_wrap_policy(min_num_params=1e7)` call, the `functools.partial` form,
+  and the units FSDP1's auto-wrap makes of a model with it (counted on the meta device, checked against a
+  real FSDP1 wrap on the ranks);
+- claim 20: the posts' ms-swift keys against ms-swift's documented command-line flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch import nn
+
+from ..exercises import close, exercise
+
+# What the posts wrote, as data the lesson checks (not verdicts).
+POSTS_MIN_NUM_PARAMS = 1e7
+POSTS_SWIFT_KEYS = ("train", "activation_checkpointing")   # `train: activation_checkpointing: true`
+
+CHECKPOINTING = ("none", "torch", "posts", "posts, non-reentrant")
+
+
+# --- models --------------------------------------------------------------------------------------------
+
+def twin_config(hidden: int = 128, layers: int = 4, vocab: int = 512, *, dropout: float = 0.0, attention=None):
+    """A tiny Qwen-7B twin (Qwen2 layout, hidden `hidden`, `layers` blocks) with attention dropout `dropout`;
+    `attention="eager"` makes attention plain matmuls (FlopCounterMode does not count CPU's SDPA kernel)."""
+    from ..models import tiny_twin
+
+    config = tiny_twin("qwen-7b", hidden_size=hidden, num_layers=layers, vocab_size=vocab)
+    config.attention_dropout = dropout
+    if attention is not None:
+        config._attn_implementation = attention
+    return config
+
+
+def wide_config(model: str = "qwen-7b", layers: int = 1, attention: str = "eager"):
+    """`model` at its real width (hidden size, MLP, vocabulary) with only `layers` blocks: FLOPs and bytes per
+    block are those of the full model, and a meta-device build costs nothing."""
+    from ..models import hf_config
+
+    config = hf_config(model)
+    config.num_hidden_layers = layers
+    config._attn_implementation = attention
+    return config
+
+
+class BlockCheckpoint(nn.Module):
+    """The posts' code around one block:
+
+        def forward(self, x):
+            return checkpoint(self._inner_forward, x, preserve_rng_state=False)
+
+    The posts pass no `use_reentrant`: torch then warns and takes the reentrant variant (use_reentrant=True),
+    which is what runs here by default, stated explicitly so that no warning is printed. The block's keyword
+    arguments (RoPE's cos/sin, the mask) reach it through the closure, as `self._inner_forward` reaches
+    them in the posts' class."""
+
+    def __init__(self, block: nn.Module, *, use_reentrant: bool = True, preserve_rng_state: bool = False):
+        super().__init__()
+        self.block, self.use_reentrant, self.preserve_rng_state = block, use_reentrant, preserve_rng_state
+
+    def forward(self, hidden_states, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        def inner_forward(x):
+            return self.block(x, *args, **kwargs)
+
+        return checkpoint(inner_forward, hidden_states, use_reentrant=self.use_reentrant,
+                          preserve_rng_state=self.preserve_rng_state)
+
+
+def checkpoint_blocks(model: nn.Module, mode: str = "torch") -> nn.Module:
+    """Checkpoint every block of `model` in place: 'none'; 'torch' (the lab's `apply_activation_checkpointing`:
+    non-reentrant, RNG state restored for the recomputation); 'posts' (the posts' reentrant call with
+    preserve_rng_state=False); 'posts, non-reentrant' (preserve_rng_state=False alone)."""
+    from ..models import blocks_of
+    from ..settings import check_choice
+    from ..sharding import apply_activation_checkpointing
+
+    check_choice("checkpointing", mode, CHECKPOINTING)
+    if mode == "torch":
+        apply_activation_checkpointing(model)
+    elif mode != "none":
+        wrap = functools.partial(BlockCheckpoint, use_reentrant=mode == "posts", preserve_rng_state=False)
+        targets = {id(block) for block in blocks_of(model)}
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and any(id(c) in targets for c in m)]
+        for module_list in lists:
+            for i, child in enumerate(module_list):
+                if id(child) in targets:
+                    module_list[i] = wrap(child)
+    return model
+
+
+def build(config, checkpointing: str = "none", *, lora_rank=None, device="cpu", seed: int = 0) -> nn.Module:
+    """The causal LM of `config` (same weights for the same seed), LoRA adapters when `lora_rank`, blocks
+    checkpointed by `checkpointing` (see `checkpoint_blocks`), in training mode (dropout on)."""
+    from ..settings import TrainSetting
+    from ..sharding import build_model
+
+    model = build_model(TrainSetting(model=config, lora_rank=lora_rank), device=device, seed=seed)
+    checkpoint_blocks(model, checkpointing)
+    return model.train()
+
+
+def token_batch(config, batch_size: int, seq_len: int, seed: int = 0, device="cpu") -> dict:
+    """Random tokens as transformers keywords: the model predicts its own input shifted by one."""
+    if torch.device(device).type == "meta":
+        tokens = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
+    else:
+        tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len),
+                               generator=torch.Generator().manual_seed(seed)).to(device)
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def _block_names(model: nn.Module) -> list:
+    """Qualified names of the blocks (the checkpoint wrappers once wrapped)."""
+    from ..models import blocks_of
+
+    ids = {id(b): i for i, b in enumerate(blocks_of(model))}
+    names = [None] * len(ids)
+    for name, module in model.named_modules():
+        if id(module) in ids and names[ids[id(module)]] is None:
+            names[ids[id(module)]] = name
+    return names
+
+
+# --- claim 8: compute ------------------------------------------------------------------------------------
+
+def flop_counts(model: nn.Module, batch) -> dict:
+    """FLOPs of one forward and one backward of `loss_of(model, batch)`, counted by FlopCounterMode (matmuls
+    and attention kernels), in total and inside the blocks (their recomputation in backward included).
+
+    Works on meta tensors: FLOPs depend on shapes only, so the real model's width costs no memory."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .._torch_private import eager_attention_masks
+    from ..sharding import loss_of
+
+    keys = [f"{type(model).__name__}.{name}" for name in _block_names(model)]
+
+    def count(counter, key="Global"):
+        return int(sum(counter.get_flop_counts().get(key, {}).values()))
+
+    # One counter for the whole step: it attributes backward FLOPs (recomputation included) to the modules
+    # only if it also saw their forward. The forward's share is read before backward starts.
+    with eager_attention_masks(), FlopCounterMode(display=False) as counter:   # the masks: see the shim
+        loss = loss_of(model, batch)
+        forward, blocks_forward = count(counter), sum(count(counter, k) for k in keys)
+        loss.backward()
+        total, blocks_total = count(counter), sum(count(counter, k) for k in keys)
+    return {"forward": forward, "backward": total - forward, "blocks_forward": blocks_forward,
+            "blocks_backward": blocks_total - blocks_forward, "layers": len(keys)}
+
+
+def flops_at_depth(counts: dict, layers: int) -> dict:
+    """`flop_counts` of a shallow model scaled to `layers` blocks: every block costs the same, the rest
+    (embedding, LM head, loss) once. Returns forward, backward and total."""
+    per_block_fwd = counts["blocks_forward"] / counts["layers"]
+    per_block_bwd = counts["blocks_backward"] / counts["layers"]
+    forward = counts["forward"] - counts["blocks_forward"] + layers * per_block_fwd
+    backward = counts["backward"] - counts["blocks_backward"] + layers * per_block_bwd
+    return {"forward": forward, "backward": backward, "total": forward + backward}
+
+
+def recompute_ratio(plain: dict, checkpointed: dict, part: str = "blocks") -> float:
+    """(forward + backward) FLOPs with checkpointing over without, for the blocks alone or the whole step."""
+    if part == "blocks":
+        return ((checkpointed["blocks_forward"] + checkpointed["blocks_backward"])
+                / (plain["blocks_forward"] + plain["blocks_backward"]))
+    return (checkpointed["forward"] + checkpointed["backward"]) / (plain["forward"] + plain["backward"])
+
+
+def flop_table(config, seq_len: int, modes=("none", "torch", "posts"), lora_rank=None, batch_size: int = 1) -> dict:
+    """flop_counts of the meta-device model of `config` for each checkpointing mode."""
+    table = {}
+    for mode in modes:
+        model = build(config, mode, lora_rank=lora_rank, device="meta")
+        table[mode] = flop_counts(model, token_batch(config, batch_size, seq_len, device="meta"))
+    return table
+
+
+# --- claim 8: memory ---------------------------------------------------------------------------------------
+
+def saved_bytes(model: nn.Module, batch) -> dict:
+    """Bytes of the tensors autograd keeps from forward for backward, by where they were saved: 'embedding'
+    (before the first block), 'block i', 'head' (after the last block: final norm, LM head, loss).
+
+    Counted with torch.autograd.graph.saved_tensors_hooks: each saved tensor's storage once (views of one
+    storage, or a tensor saved twice, count once, where first saved); parameters are not activations and
+    are left out. A checkpointed block keeps only what the checkpoint saves: its inputs. Also returns the
+    bytes of the logits tensor, the largest single activation the blocks' checkpointing does not cover."""
+    from ..models import blocks_of
+    from ..sharding import loss_of
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where, seen = ["embedding"], {}
+    hooks = []
+    for i, block in enumerate(blocks_of(model)):
+        hooks.append(block.register_forward_pre_hook(lambda module, args, i=i: where.__setitem__(0, f"block {i}")))
+        hooks.append(block.register_forward_hook(lambda module, args, out: where.__setitem__(0, "head")))
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in params and key not in seen:
+            seen[key] = (where[0], storage.nbytes())
+        return tensor
+
+    logits = {}
+
+    def note_logits(module, args, out):   # a forward hook's return value would replace the output
+        logits["bytes"] = out.nbytes
+
+    hooks.append(model.get_output_embeddings().register_forward_hook(note_logits))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = loss_of(model, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    regions = {"embedding": 0, **{f"block {i}": 0 for i in range(len(blocks_of(model)))}, "head": 0}
+    for region, nbytes in seen.values():
+        regions[region] += nbytes
+    del loss
+    return {"regions": regions, "total": sum(regions.values()), "logits": logits.get("bytes", 0)}
+
+
+def block_saving(plain: dict, checkpointed: dict) -> dict:
+    """Fractions of saved bytes that checkpointing removes: inside the blocks, and for the whole model."""
+    blocks = lambda r: sum(v for k, v in r["regions"].items() if k.startswith("block"))  # noqa: E731
+    return {"blocks": 1 - blocks(checkpointed) / blocks(plain), "model": 1 - checkpointed["total"] / plain["total"]}
+
+
+def checkpoint_warning() -> str:
+    """What torch says about the posts' call `checkpoint(fn, x, preserve_rng_state=False)` (no use_reentrant):
+    the warning's text, caught here rather than printed by torch."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(2, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint(torch.sin, x, preserve_rng_state=False)
+    found = [str(w.message) for w in caught if "use_reentrant" in str(w.message)]
+    return found[0] if found else ""
+
+
+def posts_call_on_lora(config, lora_rank: int = 8, batch_size: int = 1, seq_len: int = 16) -> dict:
+    """The posts' reentrant `checkpoint(..., preserve_rng_state=False)` on a LoRA model (their setting): the
+    frozen embedding's output does not require grad, so the reentrant checkpoint records no graph for the
+    blocks. Returns what torch warns and raises, and how many adapter weights got a gradient."""
+    from ..sharding import loss_of
+
+    model = build(config, "posts", lora_rank=lora_rank)
+    error = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loss_of(model, token_batch(config, batch_size, seq_len)).backward()
+        except RuntimeError as e:
+            error = str(e).splitlines()[0]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {"warnings": sorted({str(w.message) for w in caught}), "error": error,
+            "adapters": len(trainable), "adapters_with_gradient": sum(p.grad is not None for p in trainable)}
+
+
+# --- claim 8: dropout and the RNG state, on the ranks ------------------------------------------------------
+
+def dropout_gradients(config, modes=("torch", "posts", "posts, non-reentrant"), *, batch_size: int = 2,
+                      seq_len: int = 32, seed: int = 0) -> dict:
+    """Runs on every rank (inside cluster.run). Trains one step of the model of `config` (it should have
+    dropout) under FSDP2 over all ranks, once without checkpointing and once per mode, from the same
+    weights, data and RNG seed; returns each mode's largest gradient difference from the plain run
+    (gradients reduced over the ranks, compared in full) and the largest plain gradient, for scale."""
+    from ..dist import mesh, this_rank
+    from ..sharding import apply_fsdp, loss_of
+
+    batch = token_batch(config, batch_size, seq_len, seed=seed + this_rank())
+
+    def gradients(mode):
+        model = build(config, mode, seed=seed)
+        apply_fsdp(model, mesh())   # one unit per block (per checkpointed block), then the root
+        torch.manual_seed(1000 + seed + this_rank())   # the same dropout masks in every run's forward
+        loss_of(model, batch).backward()
+        # the same parameters in the same order whatever wraps the blocks (their names gain a prefix)
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None for g in grads), f"{mode}: a parameter got no gradient"
+        return [g.full_tensor() for g in grads]
+
+    reference = gradients("none")
+    result = {"max_grad": max(float(g.abs().max()) for g in reference)}
+    for mode in modes:
+        result[mode] = max(float((g - r).abs().max()) for g, r in zip(gradients(mode), reference))
+    return result
+
+
+# --- claim 11: the wrap policy ----------------------------------------------------------------------------
+
+def posts_policy_error() -> str:
+    """The posts' `size_based_auto_wrap_policy(min_num_params=1e7)`, evaluated: the TypeError's message."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    try:
+        size_based_auto_wrap_policy(min_num_params=POSTS_MIN_NUM_PARAMS)
+    except TypeError as e:
+        return f"TypeError: {e}"
+    return ""
+
+
+def size_policy(min_num_params: float = POSTS_MIN_NUM_PARAMS):
+    """The working form: `functools.partial(size_based_auto_wrap_policy, min_num_params=...)`, which FSDP1
+    calls as `policy(module=..., recurse=..., nonwrapped_numel=...)` for every module."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    return functools.partial(size_based_auto_wrap_policy, min_num_params=int(min_num_params))
+
+
+def policy_units(model: nn.Module, policy) -> list:
+    """(name, parameters) of every unit FSDP1's auto-wrap makes of `model` with `policy`, children before
+    parents, the root ('') last with what no unit took.
+
+    The walk FSDP1 does (torch.distributed.fsdp.wrap._recursive_wrap, called with only_wrap_children for the
+    root, which FSDP1 wraps itself): ask `policy(recurse=True)` with the module's parameter count whether to
+    look inside; wrap the children that qualify; then wrap the module itself if `policy(recurse=False)` says
+    the parameters its children left over are enough. Runs on a meta-device model."""
+    units = []
+
+    def walk(module, name, is_root=False):
+        numel = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+            return 0
+        wrapped = sum(walk(child, f"{name}.{child_name}" if name else child_name)
+                      for child_name, child in module.named_children())
+        if not is_root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
+            units.append((name, numel))
+            return numel
+        return wrapped
+
+    total = sum(p.numel() for p in model.parameters())
+    walk(model, "", is_root=True)
+    units.append(("", total - sum(n for _, n in units)))
+    return units
+
+
+def block_units(model: nn.Module) -> list:
+    """(name, parameters) of the lab's layout (`apply_fsdp`): one unit per block, the root with the rest."""
+    from ..models import blocks_of
+
+    blocks = [(name, sum(p.numel() for p in block.parameters()))
+              for name, block in zip(_block_names(model), blocks_of(model))]
+    return blocks + [("", sum(p.numel() for p in model.parameters()) - sum(n for _, n in blocks))]
+
+
+def fsdp1_unit_count(config, min_num_params: float) -> dict:
+    """Runs on every rank: wrap the model of `config` with real FSDP1 (FullyShardedDataParallel on this
+    rank's device) and `size_policy(min_num_params)`; count the FSDP1 instances torch made, next to the
+    count `policy_units` predicts on a meta-device copy."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from ..dist import device
+    from ..sharding import apply_fsdp1
+
+    predicted = len(policy_units(build(config, device="meta"), size_policy(min_num_params)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # FSDP1 warns that it is deprecated in favour of fully_shard
+        model = apply_fsdp1(build(config, device=device()), device(), auto_wrap_policy=size_policy(min_num_params))
+    made = sum(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    return {"fsdp1_units": made, "predicted": predicted}
+
+
+def collectives_per_step(config, layout: str = "policy", min_num_params: float = 0, *, batch_size: int = 2,
+                         seq_len: int = 32) -> dict:
+    """Runs on every rank: FSDP2 with one unit per module `policy_units` picks ('policy', at
+    `min_num_params`) or per block ('blocks'); one counted training step. Returns the units, the all-gathers
+    and reduce-scatters launched, and the largest all-gather (bytes)."""
+    from ..comms import CommCounter
+    from ..dist import device, mesh, this_rank
+    from ..sharding import apply_fsdp, make_optimizer, train_step
+
+    model = build(config, device=device())
+    if layout == "policy":
+        names = [name for name, _ in policy_units(model, size_policy(min_num_params))[:-1]]
+        modules = [model.get_submodule(name) for name in names]
+    else:
+        modules = None   # apply_fsdp's default: the blocks
+    apply_fsdp(model, mesh(), blocks=modules)
+    optimizer = make_optimizer(model, "adamw")
+    batch = token_batch(config, batch_size, seq_len, seed=this_rank())
+    with CommCounter() as counter:
+        train_step(model, optimizer, batch)
+    gathers = [r for r in counter.records if r["kind"] == "all_gather"]
+    return {"units": (len(modules) if modules is not None else len(block_units(model)) - 1) + 1,
+            "all_gathers": len(gathers),
+            "reduce_scatters": sum(r["kind"] == "reduce_scatter" for r in counter.records),
+            "largest_all_gather": max((r["tensor_bytes"] for r in gathers), default=0)}
+
+
+# --- claim 20: ms-swift -----------------------------------------------------------------------------------
+
+# ms-swift's documented command-line flags for what the posts configure (docs/source_en/Instruction/
+# Command-line-parameters.md of modelscope/ms-swift, v3.x; newer releases rename train_type to tuner_type).
+SWIFT_FLAGS = {"train_type": "lora or full (default lora); tuner_type in newer releases",
+               "lora_rank": "LoRA rank (default 8)",
+               "gradient_checkpointing": "recompute activations (default true)",
+               "gradient_checkpointing_kwargs": "passed to torch.utils.checkpoint, e.g. use_reentrant false"}
+
+
+def swift_flags() -> tuple:
+    """(flag names, where they come from): read from an installed ms-swift's TrainArguments when present,
+    otherwise ms-swift's documented flags (SWIFT_FLAGS)."""
+    import importlib.util
+
+    if importlib.util.find_spec("swift") is not None:
+        try:
+            import dataclasses
+
+            from swift.llm import TrainArguments
+
+            return {f.name for f in dataclasses.fields(TrainArguments)}, "the installed ms-swift's TrainArguments"
+        except Exception:
+            pass
+    return set(SWIFT_FLAGS), "ms-swift's documented command-line flags, as ms-swift is not installed here"
+
+
+# --- verdicts, computed from what the lesson measured ----------------------------------------------------------
+
+def _word(holds: list) -> str:
+    return "right" if all(holds) else ("wrong" if not any(holds) else "partly")
+
+
+def claim8_verdict(*, posts_full: float, torch_full: float, torch_lora: float, block_saving: float,
+                   model_saving: float, rng_posts: float, rng_torch: float, claimed_compute: float = 0.30,
+                   claimed_saving: float = 0.80, tolerance: float = 0.05) -> tuple:
+    """(verdict, reason) for "+30% compute, saves up to 80% of activation memory" with the posts'
+    preserve_rng_state=False, from measured FLOP ratios (whole step), saved-byte fractions and gradient
+    differences under dropout."""
+    compute = abs(posts_full - 1 - claimed_compute) <= tolerance
+    memory = model_saving >= claimed_saving - tolerance
+    rng = rng_posts == 0.0
+    reason = (f"recompute costs +{posts_full - 1:.0%} with the posts' reentrant call on a full fine-tune "
+              f"({'in line with' if compute else 'unlike'} +{claimed_compute:.0%}), +{torch_full - 1:.0%} with "
+              f"torch's non-reentrant default, +{torch_lora - 1:.0%} for LoRA; checkpointing removes "
+              f"{block_saving:.0%} of the blocks' saved bytes and {model_saving:.0%} of the whole model's "
+              f"(logits not covered); preserve_rng_state=False with dropout "
+              + ("leaves gradients unchanged" if rng else f"changes gradients by up to {rng_posts:.3g}")
+              + f" (default: {rng_torch:.3g})")
+    return _word([compute and memory, rng]), reason
+
+
+def claim11_verdict(*, error: str, units: int, block_units: int) -> tuple:
+    """(verdict, reason) for passing `size_based_auto_wrap_policy(min_num_params=1e7)` directly."""
+    runs = not error
+    reason = (("the call runs" if runs else f"the call raises {error.split(':')[0]}") + "; with functools.partial, "
+              f"1e7 makes {units} units of Qwen-7B against {block_units} per block ({units / block_units:.1f}x the "
+              "collectives)")
+    return ("right" if runs else "wrong"), reason
+
+
+def claim20_verdict(flags, keys=POSTS_SWIFT_KEYS) -> tuple:
+    """(verdict, reason): are the posts' config keys among ms-swift's flags?"""
+    missing = [k for k in keys if k not in flags]
+    have = [k for k in ("train_type", "lora_rank", "gradient_checkpointing") if k in flags]
+    reason = (f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not ms-swift flags" if missing
+              else "the keys exist") + "; its flags are " + ", ".join(f"--{k}" for k in have)
+    return ("wrong" if missing else "right"), reason
+
+
+# --- exercises -----------------------------------------------------------------------------------------------
+
+@exercise("08-lora-recompute")
+def _lora_recompute(answer, *, measured):
+    """The FLOP ratio (with / without checkpointing) of a LoRA model's blocks, against the measured one."""
+    return close(answer, measured, rel=0.03,
+                 hint="with the base frozen, backward computes no weight gradients for it: about one forward, "
+                      "not two. What does one more forward add to F + F?")
+
+
+@exercise("08-saved-per-block")
+def _saved_per_block(answer, *, measured):
+    """Bytes one checkpointed block keeps for backward, against the measured bytes."""
+    return close(answer, measured, rel=0.02, unit=" B",
+                 hint="a checkpointed block keeps its input hidden states: batch x sequence x hidden elements, "
+                      "4 bytes each in fp32.")
+
+
+@exercise("08-units")
+def _units(answer, *, min_num_params, model="qwen-7b"):
+    """How many FSDP1 units `min_num_params` makes of `model`, against policy_units on its meta-device build."""
+    from ..models import causal_lm
+
+    measured = len(policy_units(causal_lm(model, device="meta"), size_policy(min_num_params)))
+    try:
+        value = int(answer)
+    except (TypeError, ValueError):
+        return False, f"expected a whole number of units, got {answer!r}."
+    if value == measured:
+        return True, f"{value} units, as the walk FSDP1 does counts them on {model}."
+    return False, (f"{value} is {'too many' if value > measured else 'too few'}. Hint: list one block's Linear layers "
+                   "with their parameter counts: which pass the threshold alone? What is left over in the block, "
+                   "and does that pass it? Then the embedding, the LM head and the root.")

@@ -1,0 +1,174 @@
+"""Lesson 08's measurements (activation checkpointing, wrap policies) and its exercise checkers.
+
+The numbers checked here do not depend on load: FLOP counts, bytes autograd keeps, unit counts, gradient
+equality."""
+
+import pytest
+import torch
+
+from fsdplab.exercises import check
+from fsdplab.lessons import activation_checkpointing as A
+
+
+@pytest.fixture(scope="module")
+def twin():
+    return A.twin_config(hidden=64, layers=2, vocab=128)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from fsdplab.models import causal_lm
+
+    return causal_lm("qwen-7b")   # meta device
+
+
+@pytest.fixture(scope="module")
+def flops():
+    wide = A.wide_config("qwen-7b", layers=1)
+    return {"full": A.flop_table(wide, 256, modes=("none", "torch", "posts")),
+            "lora": A.flop_table(wide, 256, modes=("none", "torch"), lora_rank=8)}
+
+
+# --- claim 8: FLOPs -------------------------------------------------------------------------------------
+
+def test_block_backward_is_twice_forward_without_checkpointing(flops):
+    plain = flops["full"]["none"]
+    assert plain["blocks_backward"] == 2 * plain["blocks_forward"]
+    assert plain["layers"] == 1
+
+
+def test_reentrant_recomputes_the_whole_block(flops):
+    assert A.recompute_ratio(flops["full"]["none"], flops["full"]["posts"]) == pytest.approx(4 / 3, rel=1e-9)
+
+
+def test_non_reentrant_stops_early_and_lora_pays_more(flops):
+    torch_ratio = A.recompute_ratio(flops["full"]["none"], flops["full"]["torch"])
+    lora_ratio = A.recompute_ratio(flops["lora"]["none"], flops["lora"]["torch"])
+    assert 1 < torch_ratio < 4 / 3
+    assert lora_ratio > 4 / 3
+    # the head is never recomputed: the whole step's ratio is below the block's
+    assert A.recompute_ratio(flops["full"]["none"], flops["full"]["torch"], "model") < torch_ratio
+
+
+def test_flops_at_depth_scales_blocks_only(flops):
+    counts = flops["full"]["none"]
+    one, two = A.flops_at_depth(counts, 1), A.flops_at_depth(counts, 2)
+    assert one["total"] == counts["forward"] + counts["backward"]
+    assert two["total"] - one["total"] == counts["blocks_forward"] + counts["blocks_backward"]
+
+
+# --- claim 8: bytes ---------------------------------------------------------------------------------------
+
+def test_checkpointed_block_keeps_its_input_only(twin):
+    batch = A.token_batch(twin, 2, 16)
+    plain = A.saved_bytes(A.build(twin, "none"), batch)
+    for mode in ("torch", "posts"):
+        ckpt = A.saved_bytes(A.build(twin, mode), batch)
+        hidden = 2 * 16 * twin.hidden_size * 4
+        assert ckpt["regions"]["block 1"] == hidden               # one fp32 hidden state
+        assert ckpt["regions"]["head"] == plain["regions"]["head"]    # the head is not checkpointed
+        assert ckpt["logits"] == 2 * 16 * twin.vocab_size * 4
+        saving = A.block_saving(plain, ckpt)
+        assert saving["blocks"] > saving["model"] > 0
+
+
+def test_checkpoint_warning_names_use_reentrant():
+    assert "use_reentrant" in A.checkpoint_warning()
+
+
+def test_posts_call_gives_lora_adapters_no_gradient(twin):
+    result = A.posts_call_on_lora(twin, lora_rank=4)
+    assert result["adapters"] > 0 and result["adapters_with_gradient"] == 0
+
+
+def test_checkpoint_modes_keep_the_same_loss(twin):
+    batch = A.token_batch(twin, 2, 16)
+    from fsdplab.sharding import loss_of
+
+    losses = {mode: loss_of(A.build(twin, mode), batch).item() for mode in A.CHECKPOINTING}
+    assert len(set(losses.values())) == 1, losses
+
+
+def test_unknown_mode_is_refused(twin):
+    with pytest.raises(ValueError, match="checkpointing"):
+        A.build(twin, "sometimes")
+
+
+# --- claim 8: dropout under FSDP2 on live ranks ---------------------------------------------------------
+
+def test_rng_state_decides_gradients_under_dropout(cluster):
+    noisy = A.twin_config(hidden=64, layers=2, vocab=128, dropout=0.2)
+    results = cluster.run(A.dropout_gradients, noisy, seq_len=16)
+    assert all(r == results[0] for r in results)    # gradients are reduced: every rank sees the same
+    assert results[0]["torch"] == 0.0
+    assert results[0]["posts"] > 0 and results[0]["posts, non-reentrant"] > 0
+
+
+# --- claim 11 -----------------------------------------------------------------------------------------------
+
+def test_posts_policy_call_raises_type_error():
+    assert A.posts_policy_error().startswith("TypeError")
+
+
+def test_policy_units_of_qwen7b(qwen):
+    units = A.policy_units(qwen, A.size_policy(1e7))
+    names = [name for name, _ in units]
+    linear = [n for n in names[:-1] if isinstance(qwen.get_submodule(n), torch.nn.Linear)]
+    assert len(linear) == 7 * qwen.config.num_hidden_layers + 1          # every block Linear and the LM head
+    assert "model.embed_tokens" in names and names[-1] == ""
+    assert sum(n for _, n in units) == sum(p.numel() for p in qwen.parameters())
+    blocks = A.block_units(qwen)
+    assert len(blocks) == qwen.config.num_hidden_layers + 1
+    assert sum(n for _, n in blocks) == sum(p.numel() for p in qwen.parameters())
+
+
+def test_policy_units_match_real_fsdp1(cluster, twin):
+    result = cluster.run(A.fsdp1_unit_count, twin, 4000)[0]
+    assert result["fsdp1_units"] == result["predicted"] > 3
+
+
+def test_smaller_units_mean_more_collectives(cluster, twin):
+    per_linear = cluster.run(A.collectives_per_step, twin, "policy", 4000)[0]
+    per_block = cluster.run(A.collectives_per_step, twin, "blocks")[0]
+    assert per_linear["units"] > per_block["units"]
+    assert per_linear["all_gathers"] > per_block["all_gathers"]
+    assert per_linear["largest_all_gather"] < per_block["largest_all_gather"]
+
+
+# --- claim 20 and the verdicts ---------------------------------------------------------------------------------
+
+def test_swift_verdict_from_flags():
+    flags, source = A.swift_flags()
+    assert {"train_type", "lora_rank", "gradient_checkpointing"} <= flags and source
+    assert A.claim20_verdict(flags)[0] == "wrong"
+    assert A.claim20_verdict(flags | {"train", "activation_checkpointing"})[0] == "right"
+
+
+def test_claim_verdicts_follow_the_numbers():
+    base = dict(posts_full=1.31, torch_full=1.24, torch_lora=1.49, block_saving=0.95, model_saving=0.88,
+                rng_posts=0.03, rng_torch=0.0)
+    assert A.claim8_verdict(**base)[0] == "partly"
+    assert A.claim8_verdict(**{**base, "rng_posts": 0.0})[0] == "right"
+    assert A.claim8_verdict(**{**base, "posts_full": 1.6, "model_saving": 0.3})[0] == "wrong"
+    assert A.claim11_verdict(error="TypeError: x", units=227, block_units=33)[0] == "wrong"
+    assert A.claim11_verdict(error="", units=227, block_units=33)[0] == "right"
+
+
+# --- the exercise checkers ----------------------------------------------------------------------------------
+
+def test_lora_recompute_checker(flops):
+    measured = A.recompute_ratio(flops["lora"]["none"], flops["lora"]["torch"])
+    assert check("08-lora-recompute", measured * 1.01, measured=measured)
+    assert not check("08-lora-recompute", 4 / 3, measured=measured)
+
+
+def test_saved_per_block_checker(twin):
+    saved = A.saved_bytes(A.build(twin, "torch"), A.token_batch(twin, 2, 16))["regions"]["block 1"]
+    assert check("08-saved-per-block", 2 * 16 * twin.hidden_size * 4, measured=saved)
+    assert not check("08-saved-per-block", 2 * 16 * twin.hidden_size * 2, measured=saved)
+
+
+def test_units_checker():
+    assert check("08-units", 227, min_num_params=1e7)
+    assert not check("08-units", 35, min_num_params=1e7)
+    assert not check("08-units", "many", min_num_params=1e7)
