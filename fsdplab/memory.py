@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ._torch_private import CATEGORIES
 from .settings import EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
@@ -206,12 +207,56 @@ def _progress_printer(enabled, label, stream=None):
 
 
 def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -> MemoryReport:
+    say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}", progress_stream)
+    cached = _cache_path(setting)
+    if cached is not None and cached.exists():
+        report = MemoryReport.from_dict(json.loads(cached.read_text()))
+        report.notes.append(f"reused: this run estimated the same setting before, with the same fsdplab code and "
+                            f"torch ({report.seconds:.1f} s then); FSDPLAB_ESTIMATE_CACHE={cached.parent}")
+        say(f"reused the estimate made earlier in this run (it took {report.seconds:.1f} s)")
+        return report
+    report = _compute_estimate(setting, say)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        tmp.write_text(report.to_json())
+        os.replace(tmp, cached)   # atomic: a reader sees the whole report or none
+    return report
+
+
+def _cache_path(setting: TrainSetting):
+    """Where FSDPLAB_ESTIMATE_CACHE (a folder; `fsdplab run` sets one per run so that lessons sharing a setting
+    estimate it once) keeps `setting`'s report: named by a hash of the setting, the torch version and every
+    source file of fsdplab, so a changed estimator never reuses an old figure. None when the variable is unset."""
+    import hashlib
+
+    folder = os.environ.get("FSDPLAB_ESTIMATE_CACHE")
+    if not folder:
+        return None
+    import torch
+
+    key = hashlib.sha256(json.dumps(_setting_payload(setting), sort_keys=True, default=str).encode())
+    key.update(torch.__version__.encode())
+    key.update(_code_fingerprint().encode())
+    return Path(folder) / f"{key.hexdigest()[:24]}.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _compute_estimate(setting: TrainSetting, say) -> MemoryReport:
     import warnings
 
     from .models import config_of
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}", progress_stream)
     t0 = time.perf_counter()
     config = config_of(setting.model)
     try:

@@ -204,3 +204,17 @@ def test_tied_embeddings_count_once(cluster):
         == est.resident["parameters"] + embedding
     for report in cluster.run(measure_setting, model=config, world_size=2, seq_len=32):
         assert report.resident == est.resident
+
+
+def test_a_run_reuses_an_estimate_it_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    first = estimate(model="tiny", world_size=2, seq_len=32, progress=False)
+    again = estimate(model="tiny", world_size=2, seq_len=32, progress=False)
+    other = estimate(model="tiny", world_size=2, seq_len=48, progress=False)
+    assert len(list(tmp_path.glob("*.json"))) == 2 and not list(tmp_path.glob("*.tmp"))
+    assert again.by_category == first.by_category and again.resident == first.resident
+    assert any(note.startswith("reused") for note in again.notes)
+    assert not any(note.startswith("reused") for note in first.notes + other.notes)
+    monkeypatch.delenv("FSDPLAB_ESTIMATE_CACHE")
+    assert not any(note.startswith("reused") for note in estimate(model="tiny", world_size=2, seq_len=32,
+                                                                   progress=False).notes)
