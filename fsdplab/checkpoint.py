@@ -7,14 +7,17 @@ Every function that gathers or scatters parameters is a collective: call it on E
   with every rank's help and written by rank 0 alone, atomically (temp name, fsync, `os.replace`).
 - `save_sharded` / `load_sharded`: `torch.distributed.checkpoint` (DCP) with model AND optimizer state,
   each rank writing its own shards. A save goes to `DIR/step-N.tmp` and is renamed to `DIR/step-N` only
-  after every rank has finished, then `DIR/latest` is switched atomically: a crash mid-save leaves the
-  last complete checkpoint in charge. Loading works at any world size (DCP reshards).
+  after every rank has finished, then `DIR/latest` is switched atomically: a crash at any moment of a save
+  leaves the last complete checkpoint in charge (re-saving step N parks the old copy as `step-N.old`
+  until the new one is in place). The next save clears what a failed or crashed one left behind; a full
+  disk is reported as one line (`CheckpointDiskFull`). Loading works at any world size (DCP reshards).
 - `full_state` / `state_fingerprint` / `equal_state`: bit-exact comparisons (torch.equal, every tensor).
 - `export_pretrained`: a `save_pretrained` folder (config.json + model.safetensors) plain transformers loads.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -28,7 +31,17 @@ from torch import nn
 from .dist import this_rank, this_world_size
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_OLD_DIR = re.compile(r"^step-(\d+)\.old$")          # the previous copy of a step while it is re-saved
+# What a failed or crashed save leaves behind: unfinished step folders and temp files of `latest`
+# (`.step-N.old-PID` is the parked copy's name in earlier versions of this module).
+_DEBRIS = re.compile(r"^(step-\d+\.tmp|\.latest\.tmp-\d+|\.step-\d+\.old-\d+)$")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 LATEST = "latest"
+
+
+class CheckpointDiskFull(OSError):
+    """A save ran out of disk space (ENOSPC or a quota). Its one-line message names the folder, what was
+    cleaned up, the checkpoint still in charge and what to do; `errno` is the original error number."""
 
 
 # --- small utilities -----------------------------------------------------------------------------------
@@ -45,6 +58,60 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _remove(path: Path) -> None:
+    """Delete a file or a folder if it is there (best effort: what is left is cleared by the next save)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _disk_full_cause(err: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT OSError behind `err`, if any: DCP wraps each rank's failure in a
+    CheckpointException (`.failures`: rank -> (exception, traceback)), and errors chain."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return e
+        todo += [e.__cause__, e.__context__]
+        todo += [pair[0] for pair in getattr(e, "failures", {}).values() if isinstance(pair, tuple)]
+    return None
+
+
+def _disk_full_ranks(err: BaseException) -> list:
+    """Ranks whose own write hit the full disk (from DCP's per-rank failures), else [this rank]."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        ranks = sorted(r for r, pair in failures.items()
+                       if isinstance(pair, tuple) and _disk_full_cause(pair[0]) is not None)
+        if ranks:
+            return ranks
+    return [this_rank()]
+
+
+def _free_bytes(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.1f} MiB free there now"
+    except OSError:
+        return "free space unknown"
+
+
+def _disk_full_error(cause: OSError, what: str, folder: Path, cleaned: str, still: str) -> CheckpointDiskFull:
+    """The one line a full disk deserves: cause, where, what was cleaned up, what is safe, what to do."""
+    strerror = cause.strerror or os.strerror(cause.errno)
+    name = errno.errorcode.get(cause.errno, str(cause.errno))
+    return CheckpointDiskFull(cause.errno, f"{strerror} ({name}) while {what} in {folder} "
+                              f"({_free_bytes(folder)}); {cleaned}; {still}. Free space on that disk "
+                              f"or save to a folder on another one, then save again.")
+
+
 def _on_rank0(fn):
     """Run `fn()` on rank 0 only, then let every rank know how it went: an error on rank 0 is raised on
     every rank (instead of rank 0 raising while the others wait for it at the next barrier forever).
@@ -57,10 +124,14 @@ def _on_rank0(fn):
             failure = err
     dist = _dist()
     if dist:
-        message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        text = getattr(failure, "strerror", None) or str(failure)   # an OSError's text without "[Errno N]"
+        message = [None if failure is None else (f"{type(failure).__name__}: {text}", getattr(failure, "errno", None))]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None and failure is None:
-            raise RuntimeError(f"rank 0 failed while writing the checkpoint: {message[0]}")
+            text, code = message[0]
+            if code in _DISK_FULL:   # keep the type: callers catch a full disk as such on every rank
+                raise CheckpointDiskFull(code, f"rank 0 failed while writing the checkpoint: {text}")
+            raise RuntimeError(f"rank 0 failed while writing the checkpoint: {text}")
     if failure is not None:
         raise failure
     return value
@@ -85,11 +156,15 @@ def atomic_write_bytes(path, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)   # a full disk (or an interrupt) must not leave an empty temp file behind
+        raise
     _fsync_dir(path.parent)
     return path
 
@@ -98,17 +173,25 @@ def _atomic_save_tensors(state: dict, path: Path, metadata: dict | None = None) 
     """safetensors when the name ends in .safetensors, else torch.save; temp name + fsync + os.replace."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        # safetensors refuses views that share memory; contiguous copies are what the file holds anyway.
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp),
-                  metadata={"format": "pt", **(metadata or {})})
-    else:
-        torch.save(state, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            # safetensors refuses views that share memory; contiguous copies are what the file holds anyway.
+            save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp),
+                      metadata={"format": "pt", **(metadata or {})})
+        else:
+            torch.save(state, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        _remove(tmp)
+        cause = _disk_full_cause(err)
+        if cause is not None:
+            raise _disk_full_error(cause, f"writing {path.name}", path.parent, "removed the partial file",
+                                   "an older file under that name is untouched") from None
+        raise
     _fsync_dir(path.parent)
     return path
 
@@ -125,7 +208,8 @@ def _read_tensors(path: Path) -> dict:
 
 def full_model_state(model: nn.Module) -> dict:
     """The whole model's state on rank 0 as plain CPU tensors ({} on other ranks). Collective: call on all
-    ranks. FSDP2 gathers one parameter at a time and moves it to CPU, so no GPU ever holds the full model."""
+    ranks. Each parameter in turn is all-gathered on the ranks' device, then copied to CPU memory: a GPU
+    holds at most one full parameter beyond its shards at a time, never the full model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if _dist() is None:
@@ -159,11 +243,12 @@ def load_full(model: nn.Module, path) -> None:
 
 def full_state(model: nn.Module, optimizer=None) -> dict:
     """Model (and optimizer) state as one flat dict of full CPU tensors on rank 0 ({} elsewhere), for
-    bit-exact comparisons across world sizes: keys 'model.<fqn>' and 'optim.<fqn>.<exp_avg|...>'.
-    Collective: call it on every rank."""
+    bit-exact comparisons across world sizes: keys 'model.<fqn>' and 'optim.<fqn>.<exp_avg|...>'. A
+    snapshot: later training does not change it. Collective: call it on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    out = {f"model.{k}": v for k, v in full_model_state(model).items()}
+    # Copies: in a group of one rank the "gathered" tensors are the live parameters, which training changes.
+    out = {f"model.{k}": v.detach().clone() for k, v in full_model_state(model).items()}
     if optimizer is not None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         osd = get_optimizer_state_dict(model, optimizer, options=options)
@@ -202,20 +287,46 @@ def equal_state(a: dict, b: dict) -> list:
 
 # --- sharded checkpoints (DCP) -------------------------------------------------------------------------------
 
+def _complete(folder: Path) -> bool:
+    # DCP writes `.metadata` last, on the coordinator, after every rank has reported its shards written.
+    return folder.is_dir() and (folder / ".metadata").is_file()
+
+
 def latest_checkpoint(root) -> Path | None:
     """The newest COMPLETE checkpoint folder under `root` (None if there is none).
 
-    Trusts the `latest` pointer when it names a complete folder; otherwise the highest `step-N` folder that
-    DCP finished (has `.metadata`). `step-N.tmp` folders, left by a crash mid-save, never count."""
+    Trusts the `latest` pointer when it names a complete folder. A re-save of the pointer's step that
+    crashed between its two renames left the previous copy as `step-N.old`: that one is returned.
+    Otherwise the highest complete `step-N` folder (has DCP's `.metadata`). `step-N.tmp` folders, left
+    by a save that failed or crashed before its commit, never count."""
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if _STEP_DIR.match(named.name) and (named / ".metadata").is_file():
-            return named
-    complete = [(int(m.group(1)), p) for p in root.glob("step-*")
-                if (m := _STEP_DIR.match(p.name)) and p.is_dir() and (p / ".metadata").is_file()]
-    return max(complete)[1] if complete else None
+        name = pointer.read_text().strip()
+        if _STEP_DIR.match(name):
+            for folder in (root / name, root / f"{name}.old"):
+                if _complete(folder):
+                    return folder
+    complete = []
+    for p in root.glob("step-*"):
+        if (m := _STEP_DIR.match(p.name)) and _complete(p):
+            complete.append((int(m.group(1)), 1, p))
+        elif (m := _OLD_DIR.match(p.name)) and _complete(p) and not (root / f"step-{m.group(1)}").exists():
+            complete.append((int(m.group(1)), 0, p))
+    return max(complete)[2] if complete else None
+
+
+def _clear_debris(root: Path) -> None:
+    """Rank 0, before a save: undo what failed or crashed saves left. A `step-N.old` whose `step-N` is
+    missing (a re-save crashed between its renames) is renamed back; every other parked copy, every
+    `step-N.tmp` and every temp file of `latest` is deleted, so a save that died of a full disk does not
+    keep the disk full."""
+    for p in sorted(root.iterdir()):
+        old = _OLD_DIR.match(p.name)
+        if old and _complete(p) and not (root / f"step-{old.group(1)}").exists():
+            os.replace(p, root / f"step-{old.group(1)}")
+        elif old or _DEBRIS.match(p.name):
+            _remove(p)
 
 
 def _train_state(model, optimizer):
@@ -230,8 +341,13 @@ def _train_state(model, optimizer):
 
 
 def write_shards(model, optimizer, root, step: int) -> Path:
-    """Phase 1 of `save_sharded`: every rank writes its shards into `root/step-N.tmp` (DCP). Collective."""
+    """Phase 1 of `save_sharded`: every rank writes its shards into `root/step-N.tmp` (DCP). Collective.
+
+    First rank 0 clears what earlier failed or crashed saves left in `root` (see `_clear_debris`). If the
+    disk fills up, the partial `step-N.tmp` is removed and every rank raises `CheckpointDiskFull` with one
+    line (which ranks ran out, where, what to do) instead of DCP's per-rank tracebacks."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a whole number >= 0 (the training step), got {step!r}.")
@@ -240,37 +356,62 @@ def write_shards(model, optimizer, root, step: int) -> Path:
 
     def prepare():
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # debris of an earlier crash at this step
-            shutil.rmtree(tmp)
+        _clear_debris(root)
 
     _on_rank0(prepare)
     state = _train_state(model, optimizer)
     state["step"] = step
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=_dist() is None)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=_dist() is None)
+    except (Exception, CheckpointException) as err:
+        # DCP reports a failure to every rank at the same collective step, after every rank's writes have
+        # ended: rank 0 can delete the partial folder without pulling it from under a writer.
+        if this_rank() == 0 or _dist() is None:
+            _remove(tmp)
+        cause = _disk_full_cause(err)
+        if cause is None:
+            raise
+        ranks = _disk_full_ranks(err)
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        last = latest_checkpoint(root)
+        still = (f"the latest complete checkpoint is still {last.name}" if last is not None
+                 else "there is no complete checkpoint in that folder yet")
+        raise _disk_full_error(cause, f"{who} wrote the shards of step {step}", root,
+                               f"removed the partial {tmp.name}", still) from None
     return tmp
 
 
 def commit(root, step: int) -> Path:
     """Phase 2 of `save_sharded`: after a barrier (every rank has written), rank 0 renames `step-N.tmp` to
-    `step-N` and points `latest` at it. Collective. Only now does the checkpoint exist for a loader."""
+    `step-N` and points `latest` at it. Collective. Only now does the checkpoint exist for a loader.
+
+    Re-saving a step that exists parks the old copy as `step-N.old` first and deletes it last: a crash
+    between the two renames leaves `latest` naming `step-N`, which `latest_checkpoint` then finds as
+    `step-N.old`, and the next save renames it back."""
     root = Path(root)
-    tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
+    tmp, final, parked = root / f"step-{step}.tmp", root / f"step-{step}", root / f"step-{step}.old"
     _barrier()  # every rank has returned from write_shards: all shards are on disk
 
     def rename():
-        if not (tmp / ".metadata").is_file():
+        if not _complete(tmp):
             raise ValueError(f"{tmp} is not a finished DCP save: call write_shards(...) on every rank first.")
-        trash = None
-        if final.exists():  # saving the same step again: swap, then delete the old one
-            trash = root / f".step-{step}.old-{os.getpid()}"
-            os.replace(final, trash)
+        if final.exists():  # saving the same step again: park the old copy, then put the new one in place
+            _remove(parked)
+            os.replace(final, parked)
         os.replace(tmp, final)
         _fsync_dir(root)
-        atomic_write_bytes(root / LATEST, final.name.encode())
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            atomic_write_bytes(root / LATEST, final.name.encode())
+        except OSError as err:
+            if err.errno not in _DISK_FULL:
+                raise
+            # step-N is complete and loadable by name; only the pointer could not be moved.
+            raise _disk_full_error(err, f"pointing {LATEST} at {final.name}", root,
+                                   f"{final.name} is complete on disk",
+                                   f"{LATEST} still names the previous checkpoint") from None
+        _remove(parked)
 
     _on_rank0(rename)
     return final
@@ -284,11 +425,13 @@ def save_sharded(model: nn.Module, optimizer, root, step: int) -> Path:
     return commit(root, step)
 
 
-def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None) -> int:
+def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, storage_reader=None) -> int:
     """Load the newest complete checkpoint under `root` (or the folder `checkpoint`) into `model` and
     `optimizer`, at whatever world size is running now (DCP reshards on load). Returns the saved step.
 
-    Collective: call on every rank, after sharding the model the way it will train (fully_shard first)."""
+    Collective: call on every rank, after sharding the model the way it will train (fully_shard first).
+    `storage_reader`: a DCP StorageReader to read with instead of the default FileSystemReader (it is
+    pointed at the checkpoint's folder), e.g. one that counts the bytes each rank reads."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -303,7 +446,7 @@ def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None) -
     with warnings.catch_warnings():
         # Loading in one process without a process group is intended here (resharding to world size 1).
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=_dist() is None)
+        dcp.load(state, checkpoint_id=str(checkpoint), storage_reader=storage_reader, no_dist=_dist() is None)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

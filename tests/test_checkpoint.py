@@ -1,8 +1,14 @@
 """fsdplab.checkpoint: atomic files, the `latest` protocol, bit-exact comparisons, full and sharded (DCP)
-save/load on 2 real gloo ranks, resharding 2 -> 1 and 1 -> 2, a crash mid-save, the posts' hanging
-safe_save, and an export that plain transformers loads."""
+save/load on 2 real gloo ranks, resharding 2 -> 1 and 1 -> 2, faults (a full disk, a crash at every point
+of a save and re-save, debris of failed saves), the posts' hanging safe_save, and an export that plain
+transformers loads."""
 
+import errno
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -111,6 +117,214 @@ def test_user_mistakes_raise_value_error(tmp_path):
         ck.export_pretrained(model, tmp_path / "export")
     with pytest.raises(ValueError, match="write_shards"):
         ck.commit(tmp_path, step=5)
+
+
+# --- faults: a full disk, a crash at any point, debris of failed saves --------------------------------------
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _full_disk_writer(transforms, stream, *args, **kwargs):
+    # What DCP's writer meets on a full disk: part of a shard goes out, then the write fails.
+    stream.write(b"x" * 64)
+    _no_space()
+
+
+def test_atomic_write_on_a_full_disk_leaves_no_temp_file(tmp_path, monkeypatch):
+    target = ck.atomic_write_bytes(tmp_path / "latest", b"step-1")
+    monkeypatch.setattr(os, "fsync", _no_space)   # the page cache took the bytes; the disk cannot
+    with pytest.raises(OSError) as err:
+        ck.atomic_write_bytes(target, b"step-2")
+    assert err.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"] and target.read_bytes() == b"step-1"
+
+
+def test_save_full_on_a_full_disk_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    model, _ = ck.sharded_tiny(CFG, seed=0)
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda state, name, **kw: (open(name, "wb").write(b"x"), _no_space()))
+    with pytest.raises(ck.CheckpointDiskFull) as err:
+        ck.save_full(model, tmp_path / "model.safetensors")
+    message = str(err.value)
+    assert err.value.errno == errno.ENOSPC and "\n" not in message and "ENOSPC" in message
+    assert str(tmp_path) in message and err.value.__cause__ is None and err.value.__suppress_context__
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_disk_during_a_sharded_save_is_one_line_and_the_next_save_works(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    model, opt = ck.sharded_tiny(CFG, seed=0)
+    ck.save_sharded(model, opt, tmp_path, step=1)
+    monkeypatch.setattr(dcp_fs, "_write_item", _full_disk_writer)
+    with pytest.raises(ck.CheckpointDiskFull) as err:
+        ck.save_sharded(model, opt, tmp_path, step=2)
+    message = str(err.value)
+    assert err.value.errno == errno.ENOSPC and isinstance(err.value, OSError) and "\n" not in message
+    for part in ("No space left on device (ENOSPC)", "rank 0", "step 2", str(tmp_path), "removed the partial step-2.tmp",
+                 "still step-1", "Free space"):
+        assert part in message, (part, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]   # no debris holds the disk
+    monkeypatch.undo()
+    ck.save_sharded(model, opt, tmp_path, step=3)
+    assert ck.latest_checkpoint(tmp_path).name == "step-3"
+
+
+def test_full_disk_when_moving_latest_keeps_the_previous_checkpoint_in_charge(tmp_path, monkeypatch):
+    model, opt = ck.sharded_tiny(CFG, seed=0)
+    ck.save_sharded(model, opt, tmp_path, step=1)
+    monkeypatch.setattr(ck, "atomic_write_bytes", _no_space)
+    with pytest.raises(ck.CheckpointDiskFull) as err:
+        ck.save_sharded(model, opt, tmp_path, step=2)
+    assert "\n" not in str(err.value) and "latest still names the previous checkpoint" in str(err.value)
+    assert ck.latest_checkpoint(tmp_path).name == "step-1" and (tmp_path / "step-2" / ".metadata").is_file()
+
+
+def test_the_next_save_clears_what_failed_saves_left(tmp_path):
+    model, opt = ck.sharded_tiny(CFG, seed=0)
+    ck.save_sharded(model, opt, tmp_path, step=1)
+    _fake_checkpoint(tmp_path, "step-7.tmp", complete=False)      # a save that died while writing
+    _fake_checkpoint(tmp_path, "step-5.tmp")                      # ... and one that died before its commit
+    _fake_checkpoint(tmp_path, ".step-1.old-4242")                # a parked copy, as earlier versions named it
+    (tmp_path / ".latest.tmp-4242").write_bytes(b"")              # a pointer write that died
+    ck.save_sharded(model, opt, tmp_path, step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2"]
+
+
+class _Crash(BaseException):
+    """The process dies here: not an Exception, so no `except Exception` cleanup runs after it."""
+
+
+def _crash_at(patch, k: int) -> list:
+    """Make the k-th (1-based) file-system step of fsdplab.checkpoint raise _Crash; k=0 never does.
+    Returns the list the steps are recorded in."""
+    calls = []
+
+    def step(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            if len(calls) == k:
+                raise _Crash(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    patch.setattr(os, "replace", step("os.replace", os.replace))
+    patch.setattr(ck, "_remove", step("remove", ck._remove))
+    patch.setattr(ck, "_barrier", step("barrier (shards written)", ck._barrier))
+    return calls
+
+
+@pytest.mark.parametrize("same_step", [False, True], ids=["new step", "same step again"])
+def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_latest(tmp_path, monkeypatch, same_step):
+    def attempt(root, k):
+        """Save A at step 1, train, save B (step 1 again or step 2) crashing at step k of the sequence."""
+        model, opt = ck.sharded_tiny(CFG, seed=0)
+        ck.save_sharded(model, opt, root, step=1)
+        a = ck.full_state(model, opt)
+        ck.train_steps(model, opt, CFG, 1, global_batch=4)
+        with monkeypatch.context() as patch:
+            calls = _crash_at(patch, k)
+            try:
+                ck.save_sharded(model, opt, root, step=1 if same_step else 2)
+            except _Crash:
+                pass
+        return a, ck.full_state(model, opt), calls
+
+    *_, points = attempt(tmp_path / "clean", 0)
+    assert len(points) >= 3 + same_step, points
+    seen = []
+    for k in range(1, len(points) + 1):
+        root = tmp_path / f"crash-{k}"
+        a, b, calls = attempt(root, k)
+        latest = ck.latest_checkpoint(root)
+        assert latest is not None, (k, calls, ck.checkpoint_files(root))
+        other, other_opt = ck.sharded_tiny(CFG, seed=1)
+        step = ck.load_sharded(other, other_opt, root)
+        loaded = ck.full_state(other, other_opt)
+        is_a, is_b = (all(r[-1] for r in ck.equal_state(loaded, x)) for x in (a, b))
+        assert is_a or is_b, (k, calls[-1], latest)
+        seen.append((calls[-1], latest.name, "new" if is_b else "old"))
+        # The next save puts everything in order: no temporaries, no parked copy, step-1 back if it was parked.
+        ck.save_sharded(other, other_opt, root, step=3)
+        names = sorted(p.name for p in root.iterdir())
+        assert all(re.fullmatch(r"latest|step-\d+", n) for n in names) and "step-1" in names, (k, names)
+        assert ck.latest_checkpoint(root).name == "step-3" and step in (1, 2)
+    assert seen[0][2] == "old" and seen[-1][2] == "new", seen       # the pointer is the commit point
+    if same_step:   # the crash between the two renames: only the parked copy is complete under its name
+        assert ("os.replace", "step-1.old", "old") in seen, seen
+
+
+_REAL_CRASH = """
+import os, sys
+from fsdplab import checkpoint as ck
+from fsdplab.models import TinyConfig
+root, where = sys.argv[1], sys.argv[2]
+cfg = TinyConfig(dim=32, num_layers=2, seq_len=16)
+model, opt = ck.sharded_tiny(cfg, seed=0)
+ck.save_sharded(model, opt, root, step=1)
+ck.train_steps(model, opt, cfg, 1, global_batch=4)
+if where == "between the renames":
+    replace = os.replace
+    def dying_replace(src, dst):
+        if str(src).endswith("step-1.tmp"):   # step-1 is already parked as step-1.old
+            os._exit(9)
+        replace(src, dst)
+    os.replace = dying_replace
+else:
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    def dying_write(transforms, stream, *args, **kwargs):
+        stream.write(b"half a shard")
+        stream.flush()
+        os._exit(9)
+    dcp_fs._write_item = dying_write
+ck.save_sharded(model, opt, root, step=1)
+"""
+
+
+def test_a_process_killed_while_re_saving_a_step_leaves_it_loadable(tmp_path):
+    # Real deaths (os._exit, no cleanup runs), in two processes side by side: mid-write and between the renames.
+    wheres = {"mid-write": tmp_path / "a", "between the renames": tmp_path / "b"}
+    procs = {w: subprocess.Popen([sys.executable, "-c", _REAL_CRASH, str(root), w], stderr=subprocess.PIPE)
+             for w, root in wheres.items()}
+    for where, proc in procs.items():
+        assert proc.wait(timeout=300) == 9, (where, proc.stderr.read().decode()[-2000:])
+    left = {w: sorted(p.name for p in root.iterdir()) for w, root in wheres.items()}
+    assert left == {"mid-write": ["latest", "step-1", "step-1.tmp"],
+                    "between the renames": ["latest", "step-1.old", "step-1.tmp"]}, left
+    assert not (wheres["mid-write"] / "step-1.tmp" / ".metadata").exists()
+    saved, _ = ck.sharded_tiny(CFG, seed=0)                        # what step 1 was saved from
+    for where, root in wheres.items():
+        latest = ck.latest_checkpoint(root)
+        assert latest.name == ("step-1" if where == "mid-write" else "step-1.old"), (where, latest)
+        model, opt = ck.sharded_tiny(CFG, seed=1)
+        assert ck.load_sharded(model, opt, root) == 1
+        assert all(r[-1] for r in ck.equal_state(ck.full_state(saved), ck.full_state(model)))
+        ck.save_sharded(model, opt, root, step=2)
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1", "step-2"], where
+
+
+def test_full_state_is_a_snapshot_in_a_group_of_one_rank():
+    # With one rank the "gathered" full tensors are the live parameters themselves; training must not
+    # change a snapshot taken before it.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdplab.sharding import apply_fsdp, build_tiny
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = apply_fsdp(build_tiny(CFG, seed=0), init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ck.train_steps(model, opt, CFG, 1, global_batch=4)
+        before = ck.full_state(model, opt)
+        ck.train_steps(model, opt, CFG, 1, start_step=1, global_batch=4)
+        rows = ck.equal_state(before, ck.full_state(model, opt))
+        assert not any(r[-1] for r in rows if r[0].startswith("model.")), "the snapshot moved with the model"
+    finally:
+        dist.destroy_process_group()
 
 
 def test_fsdp1_default_is_full_state_dict():
@@ -222,6 +436,54 @@ def test_reshard_one_process_to_two_ranks(cluster, tmp_path):
 def test_train_steps_needs_a_divisible_batch(cluster):
     with pytest.raises(fsdplab.RankError, match="global_batch=3"):
         cluster.run(lambda: ck.train_steps(*ck.sharded_tiny(CFG), CFG, 1, global_batch=3), quiet=True)
+
+
+def _full_disk_on_one_rank(root, full_rank):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    model, opt = ck.sharded_tiny(CFG, seed=0)
+    ck.save_sharded(model, opt, root, step=1)
+    write = dcp_fs._write_item
+    if fsdplab.rank() == full_rank:
+        dcp_fs._write_item = _full_disk_writer
+    try:
+        ck.save_sharded(model, opt, root, step=2)
+        failure = None
+    except ck.CheckpointDiskFull as err:
+        failure = (err.errno, str(err))
+    finally:
+        dcp_fs._write_item = write
+    dist.barrier()
+    left = sorted(p.name for p in Path(root).iterdir())
+    ck.save_sharded(model, opt, root, step=3)
+    return failure, left, ck.latest_checkpoint(root).name
+
+
+def _full_disk_under_save_full(path):
+    import safetensors.torch
+
+    model, _ = ck.sharded_tiny(CFG, seed=0)
+    if fsdplab.rank() == 0:
+        safetensors.torch.save_file = lambda state, name, **kw: (open(name, "wb").write(b"x"), _no_space())
+    try:
+        ck.save_full(model, path)
+    except ck.CheckpointDiskFull as err:
+        return err.errno, str(err)
+
+
+def test_a_full_disk_on_one_rank_is_one_line_on_every_rank(cluster, tmp_path):
+    out = cluster.run(_full_disk_on_one_rank, str(tmp_path / "dcp"), 1, quiet=True)
+    for rank, (failure, left, latest) in enumerate(out):
+        code, message = failure
+        assert code == errno.ENOSPC and "\n" not in message and len(message) < 400, (rank, message)
+        assert "rank 1 wrote the shards of step 2" in message and str(tmp_path / "dcp") in message, message
+        assert left == ["latest", "step-1"] and latest == "step-3", (left, latest)
+    (code0, line0), (code1, line1) = cluster.run(_full_disk_under_save_full, str(tmp_path / "full.safetensors"),
+                                                 quiet=True)
+    assert code0 == code1 == errno.ENOSPC and "\n" not in line0 + line1 and "ENOSPC" in line0
+    assert "rank 0 failed while writing the checkpoint" in line1 and line0.split("] ", 1)[1] in line1
+    assert list(tmp_path.glob("*full.safetensors*")) == []
 
 
 def test_posts_safe_save_hangs_and_restart_recovers(cluster, tmp_path):

@@ -1,0 +1,67 @@
+"""Lesson 05's own code: ReadCounter measures what DCP's FileSystemReader loads when it reshards, and the
+exercise checker `05-reshard-reads` accepts the measured answer and turns a wrong one away with a hint."""
+
+import sys
+
+import cloudpickle
+import pytest
+
+from fsdplab import checkpoint as ck
+from fsdplab.exercises import check, keys
+from fsdplab.lessons.checkpoints import ReadCounter, read_ratio
+from fsdplab.models import TinyConfig
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CFG = TinyConfig(dim=32, num_layers=2, seq_len=16)
+
+
+def _load_counting(root):
+    model, opt = ck.sharded_tiny(CFG, seed=1)
+    reads = ReadCounter()
+    ck.load_sharded(model, opt, root, storage_reader=reads)
+    return reads.counts()
+
+
+def test_one_process_loads_exactly_what_it_keeps(tmp_path):
+    model, opt = ck.sharded_tiny(CFG, seed=0)
+    ck.train_steps(model, opt, CFG, 1, global_batch=4)
+    ck.save_sharded(model, opt, tmp_path, step=1)
+    counts = _load_counting(tmp_path)
+    params = sum(p.numel() for p in model.parameters())
+    assert read_ratio(counts) == 1.0
+    # fp32 weights and AdamW's two moments, plus one float32 step counter per parameter
+    assert counts["kept_bytes"] - 12 * params == 4 * len(list(model.parameters())), counts
+    # each tensor chunk is a torch.save record (framing), and param_groups and the step are pickled objects
+    assert counts["file_bytes"] > counts["loaded_bytes"] + counts["object_bytes"] and counts["object_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def reshard_1_to_2(cluster, tmp_path_factory):
+    """Counts of 2 ranks loading a checkpoint saved by 1 process: each keeps half of every row-sharded
+    tensor and must load the one saved chunk, whole."""
+    root = tmp_path_factory.mktemp("saved-by-1")
+    model, opt = ck.sharded_tiny(CFG, seed=0)
+    ck.train_steps(model, opt, CFG, 1, global_batch=4)
+    ck.save_sharded(model, opt, root, step=1)
+    return cluster.run(_load_counting, str(root), quiet=True)
+
+
+def test_a_rank_loads_whole_saved_chunks(reshard_1_to_2):
+    ratios = [read_ratio(c) for c in reshard_1_to_2]
+    # Nearly 2x: the rows are split in 2 but each rank loads the whole tensor; the replicated step
+    # counters are kept whole, which pulls the ratio a hair below 2.
+    assert all(1.95 < r < 2.0 for r in ratios), ratios
+    assert reshard_1_to_2[0]["chunks"] == reshard_1_to_2[1]["chunks"]
+
+
+def test_checker_takes_the_measured_answer_and_hints_at_a_wrong_one(reshard_1_to_2, capsys):
+    assert "05-reshard-reads" in keys()
+    measured = max(read_ratio(c) for c in reshard_1_to_2)
+    right = check("05-reshard-reads", 2, measured=measured, saved_ranks=1, loading_ranks=2)
+    assert right.ok and "within 10%" in right.message
+    wrong = check("05-reshard-reads", 1.0, measured=measured, saved_ranks=1, loading_ranks=2)
+    assert not wrong.ok and "too low" in wrong.message and "Hint" in wrong.message and "1 saving rank" in wrong.message
+    empty = check("05-reshard-reads", None, measured=measured, saved_ranks=1, loading_ranks=2)
+    assert not empty.ok and "no answer yet" in empty.message
+    assert "not yet" in capsys.readouterr().out                 # check() prints its verdict for the notebook
