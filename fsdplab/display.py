@@ -13,11 +13,12 @@ import html
 import io
 import os
 import tempfile
+import textwrap
 from pathlib import Path
 
 from ._torch_private import CATEGORIES
 from .memory import CATEGORY_LABELS
-from .settings import GIB
+from .settings import GIB, MIB
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
           "activations": "#c44e52", "communication_buffers": "#8172b3", "other": "#937860"}
@@ -42,6 +43,13 @@ def save_figure(fig, name: str, dpi: int = 110) -> Path:
 
 # --- memory bars ---------------------------------------------------------------------------------------------
 
+def unit_of(byte_counts) -> tuple:
+    """(bytes per unit, unit name) for drawing `byte_counts`: GiB, or MiB when the largest is under a quarter
+    GiB (a tiny model's bars would be invisible on a GiB axis)."""
+    largest = max((b for b in byte_counts if b is not None), default=0)
+    return (GIB, "GiB") if largest >= GIB / 4 else (MIB, "MiB")
+
+
 def draw_stacked(ax, labels, reports, gpu_mem_gib=None, highlight=None, extras=None, extra_label=None,
                  unit=GIB, unit_name="GiB"):
     """Stacked bars of each report's six categories (in `unit`), with an optional GPU-size line, an outlined
@@ -59,18 +67,30 @@ def draw_stacked(ax, labels, reports, gpu_mem_gib=None, highlight=None, extras=N
     if highlight is not None:
         ax.bar([labels[highlight]], [bottoms[highlight]], fill=False, edgecolor="black", linewidth=2)
     if gpu_mem_gib:
-        # Keep the GPU line readable: bars far above it are clipped and labelled with their height.
-        top = max(2.5 * gpu_mem_gib, 1.15 * (bottoms[highlight] if highlight is not None else 0))
-        if max(bottoms) > top:
-            ax.set_ylim(0, top)
-            for x, height in zip(labels, bottoms):
-                if height > top:
-                    ax.text(x, top * 0.97, f"{height:.0f}", ha="center", va="top", fontsize=8, color="white",
-                            fontweight="bold")
-        ax.axhline(gpu_mem_gib, color="black", linestyle="--", linewidth=1)
-        ax.text(len(labels) - 0.5, gpu_mem_gib, f" {gpu_mem_gib:g} GiB GPU", va="bottom", ha="right", fontsize=8)
+        _gpu_line(ax, labels, bottoms, gpu_mem_gib, gpu_mem_gib * GIB / unit, highlight)
     ax.set_ylabel(f"memory per GPU ({unit_name})")
     return bottoms
+
+
+def _gpu_line(ax, labels, bottoms, gpu_mem_gib, card, highlight):
+    """The GPU-size line at height `card` (the plot's unit), keeping bars and line readable together."""
+    tallest = max(bottoms, default=0.0)
+    if tallest and card > 10 * tallest:
+        # A line ten times above every bar would flatten them: name the card instead of drawing it.
+        ax.set_ylim(0, 1.15 * tallest)   # room for the note above the tallest bar
+        ax.text(0.99, 0.98, f"{gpu_mem_gib:g} GiB GPU: {card / tallest:,.0f}x the tallest bar",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8)
+        return
+    # Bars far above the line are clipped and labelled with their height.
+    top = max(2.5 * card, 1.15 * (bottoms[highlight] if highlight is not None else 0))
+    if tallest > top:
+        ax.set_ylim(0, top)
+        for x, height in zip(labels, bottoms):
+            if height > top:
+                ax.text(x, top * 0.97, f"{height:.0f}", ha="center", va="top", fontsize=8, color="white",
+                        fontweight="bold")
+    ax.axhline(card, color="black", linestyle="--", linewidth=1)
+    ax.text(len(labels) - 0.5, card, f" {gpu_mem_gib:g} GiB GPU", va="bottom", ha="right", fontsize=8)
 
 
 def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24.0):
@@ -87,11 +107,14 @@ def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24
         for j, s in enumerate(seq_lens):
             found = (exact_gib or {}).get((s, b))
             text = f"{grid[i, j]:.1f}" + (f"\n★{found:.1f}" if found is not None else "")
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
-                    fontweight="bold" if found is not None else "normal")
-            if grid[i, j] > gpu_gib:
+            over = grid[i, j] > gpu_gib
+            # Over the card: hatched, with the number on a white patch so the hatching cannot hide it.
+            ax.text(j, i, text, ha="center", va="center", fontsize=8, zorder=3,
+                    fontweight="bold" if found is not None else "normal",
+                    bbox=dict(facecolor="white", alpha=0.85, edgecolor="none", pad=1.5) if over else None)
+            if over:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="black",
-                                       linewidth=0))
+                                       linewidth=0, zorder=2))
     ax.set_xticks(range(len(seq_lens)), [str(s) for s in seq_lens])
     ax.set_yticks(range(len(batch_sizes)), [str(b) for b in batch_sizes])
     ax.set_xlabel("sequence length (tokens)")
@@ -99,10 +122,14 @@ def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24
     return image
 
 
-def exact_marker(ax, x, gib, label="exact (estimate)"):
-    """The gold star that marks an exact estimate on a formula bar."""
-    ax.plot([x], [gib], marker="*", markersize=16, color="gold", markeredgecolor="black", linestyle="none",
-            label=label)
+def exact_marker(ax, x, height, label="exact (estimate)"):
+    """The gold star that marks an exact estimate on a formula bar (`height` in the axis' unit). The axis is
+    raised where the star would touch its top, so the star is never cut in half."""
+    ax.plot([x], [height], marker="*", markersize=16, color="gold", markeredgecolor="black", linestyle="none",
+            label=label, clip_on=False, zorder=4)
+    bottom, top = ax.get_ylim()
+    if height > 0.92 * top:
+        ax.set_ylim(bottom, height / 0.88)
 
 
 # --- dashboards ----------------------------------------------------------------------------------------------
@@ -113,6 +140,10 @@ class Dashboard:
     The figure reaches the page as PNG bytes in an `ipywidgets.Image`, not through an `Output` widget:
     an Output widget captures messages from whichever cell runs next, which papermill's client mimics
     imperfectly (executions were seen to stall); an Image is plain widget state.
+
+    Displaying a dashboard leaves two outputs: the widget, and a static PNG of the figure as it is at that
+    moment. Where widgets do not render (GitHub, nbviewer, a PDF, an executed notebook opened without its
+    kernel) the widget is only text, and the PNG still shows what the dashboard drew.
     """
 
     def __init__(self, controls: dict, draw, title: str = "", figsize=(8, 4), dpi: int = 90):
@@ -145,10 +176,38 @@ class Dashboard:
         with self._lock:
             self.figure.clear()
             self.result = self.draw(self.figure, **self.values)
-            buffer = io.BytesIO()
-            self.figure.savefig(buffer, format="png", dpi=self.dpi, bbox_inches="tight")
-            self.image.value = buffer.getvalue()
+            self.image.value = self._png()
             return self.result
+
+    def _png(self, caption: str = "") -> bytes:
+        buffer = io.BytesIO()
+        note = None
+        if caption:
+            # under everything drawn (axis labels included), left-aligned with it
+            canvas = self.figure.canvas
+            if not hasattr(canvas, "get_renderer"):   # a closed figure keeps a bare canvas: draw with Agg
+                from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+                canvas = FigureCanvasAgg(self.figure)
+            box = self.figure.get_tightbbox(canvas.get_renderer())
+            width, height = self.figure.get_size_inches()
+            note = self.figure.text(box.x0 / width, box.y0 / height - 0.02, caption, fontsize=8, color="#555555",
+                                    va="top")
+        try:
+            self.figure.savefig(buffer, format="png", dpi=self.dpi, bbox_inches="tight")
+        finally:
+            if note is not None:
+                note.remove()
+        return buffer.getvalue()
+
+    def snapshot(self) -> bytes:
+        """PNG bytes of the figure as it is now, captioned with the controls' values: the static copy shown
+        next to the widget."""
+        with self._lock:
+            shown = ", ".join(f"{name}={_shown(control)}" for name, control in self.controls.items())
+            caption = (f"static copy of the dashboard when this cell ran ({shown}); "
+                       "move the controls in a live notebook to redraw it")
+            return self._png(textwrap.fill(caption, width=int(self.figure.get_figwidth() * 15)))
 
     def say(self, text: str) -> None:
         """Show `text` (monospace) under the figure, replacing what was there."""
@@ -163,9 +222,23 @@ class Dashboard:
         return self.result
 
     def _ipython_display_(self):
+        import base64
+
         from IPython.display import display
 
-        display(self.widget)
+        bundle = self.widget._repr_mimebundle_()
+        # What a viewer without widgets prints instead of the widget (it used to be "VBox(children=...").
+        bundle["text/plain"] = f"[interactive dashboard: {self.title or 'controls'}; needs a running kernel]"
+        display(bundle, raw=True)
+        display({"image/png": base64.b64encode(self.snapshot()).decode("ascii"),
+                 "text/plain": f"[static copy of the dashboard: {self.title or 'figure'}]"}, raw=True)
+
+
+def _shown(control) -> str:
+    """A control's value as the reader sees it (a Dropdown of (label, value) pairs shows the label)."""
+    import ipywidgets as W
+
+    return str(control.label if isinstance(control, W.Dropdown) else control.value)
 
 
 def exact_in_background(dash, button, setting, done, wait: bool = False):
@@ -203,6 +276,11 @@ def exact_in_background(dash, button, setting, done, wait: bool = False):
     return result["report"]
 
 
+def _with(options: list, value) -> list:
+    """A slider's stops with the starting value among them (a value between stops would be refused)."""
+    return sorted(set(options) | {value})
+
+
 def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", precision="bf16", optimizer="adamw",
                      activation_checkpointing=False, lora_rank=0, seq_len=2048, gpu_mem_gib=24):
     """Controls -> per-GPU memory of every strategy from `formula`, the chosen one outlined, against a GPU-size
@@ -213,17 +291,18 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     from .models import MODELS
     from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS, STRATEGIES, TrainSetting
 
+    slider = lambda stops, value, label: W.SelectionSlider(options=_with(stops, value), value=value,  # noqa: E731
+                                                           description=label)
     controls = {
-        "model": W.Dropdown(options=list(MODELS), value=model, description="model"),
-        "world_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=world_size, description="GPUs"),
+        "model": W.Dropdown(options=list(MODELS), value=model, description="model"),   # every registered model
+        "world_size": slider([1, 2, 4, 8, 16, 32, 64], world_size, "GPUs"),
         "strategy": W.Dropdown(options=STRATEGIES, value=strategy, description="strategy"),
         "precision": W.Dropdown(options=PRECISIONS, value=precision, description="precision"),
         "optimizer": W.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer"),
         "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing"),
-        "lora_rank": W.SelectionSlider(options=[0, 8, 16, 64, 128], value=lora_rank, description="LoRA r (0: full)"),
-        "seq_len": W.SelectionSlider(options=[64, 128, 256, 512, 1024, 2048, 4096, 8192], value=seq_len,
-                                     description="seq len"),
-        "gpu_mem_gib": W.SelectionSlider(options=[16, 24, 40, 48, 80, 141], value=gpu_mem_gib, description="GPU GiB"),
+        "lora_rank": slider([0, 8, 16, 32, 64, 128], lora_rank, "LoRA r (0: full)"),
+        "seq_len": slider([64, 128, 256, 512, 1024, 2048, 4096, 8192], seq_len, "seq len"),
+        "gpu_mem_gib": slider([16, 24, 40, 48, 80, 141], gpu_mem_gib, "GPU GiB"),
     }
     exact: dict = {}
 
@@ -238,10 +317,12 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
         reports = [formula(chosen, strategy=s) for s in STRATEGIES]
         ax = fig.add_subplot(1, 1, 1)
         index = STRATEGIES.index(chosen.strategy)
-        draw_stacked(ax, list(STRATEGIES), reports, gpu_mem_gib, highlight=index)
         found = exact.get(chosen)
+        # the unit follows the bars: a tiny model's MiB would be invisible on a GiB axis
+        unit, unit_name = unit_of([r.peak_bytes for r in reports] + [found.peak_bytes if found else None])
+        draw_stacked(ax, list(STRATEGIES), reports, gpu_mem_gib, highlight=index, unit=unit, unit_name=unit_name)
         if found is not None:
-            exact_marker(ax, index, found.peak_bytes / GIB)
+            exact_marker(ax, index, found.peak_bytes / unit)
         lora = f"LoRA r={chosen.lora_rank}" if chosen.lora_rank else "full fine-tune"
         ax.set_title(f"{chosen.model}, {chosen.world_size} GPUs, {lora}, {chosen.precision}, {chosen.optimizer}, "
                      f"seq {chosen.seq_len}" + (", checkpointing" if chosen.activation_checkpointing else ""),

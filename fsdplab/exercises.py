@@ -35,6 +35,16 @@ class Verdict:
 
     __repr__ = __str__
 
+    def _ipython_display_(self):
+        """`check` printed the verdict already: a bare `check(...)` ending a cell shows it once, not twice."""
+
+
+class _Line(str):
+    """reveal's printed line, returned for tests; like a Verdict, not displayed a second time in a notebook."""
+
+    def _ipython_display_(self):
+        pass
+
 
 def exercise(key: str):
     """Register `fn(answer, **measured) -> (ok, message)` as the checker of exercise `key` ("NN-name")."""
@@ -101,4 +111,4 @@ def reveal(prediction, measured, what: str, unit: str = "") -> str:
         off = (float(prediction) - measured) / measured if measured else float("inf")
         line = f"{what}: you predicted {float(prediction):g}{unit}, measured {measured:g}{unit} ({off:+.0%})"
     print(line)
-    return line
+    return _Line(line)

@@ -1,11 +1,13 @@
-"""Lesson 06 (Qwen-7B LoRA on 8 x A10) only: the posts' setting, what FSDP1 adds on top of FSDP2 for a LoRA
-model, exact estimates of a grid of settings, and the lesson's dashboard.
+"""Lesson 06 (Qwen-7B LoRA on 8 x A10) only: the posts' setting, Qwen-7B v1's own layer layout and its LoRA
+size, what FSDP1 adds on top of FSDP2 for a LoRA model, exact estimates of a grid of settings, the verdicts of
+claims 15 and 16, the lesson's dashboard and its exercises.
 """
 
 from __future__ import annotations
 
 import math
 
+from ..exercises import close, exercise
 from ..settings import GIB, TrainSetting, check_choice, PRECISIONS
 
 # The posts' setup: Qwen-7B, LoRA r=64 on every linear layer, FULL_SHARD, fp16, activation checkpointing.
@@ -14,6 +16,14 @@ POSTS_SETTING = TrainSetting(model="qwen-7b", world_size=8, strategy="full_shard
                              lora_alpha=128, lora_targets="all-linear", seq_len=2048, batch_size=1,
                              activation_checkpointing=True)
 POSTS_BAND_GIB = (17.0, 19.0)   # "17-19 GB per card", read as nvidia-smi's GiB
+
+
+# One knob changed from the posts' setting at a time (the lesson's bar chart; `exact_variants` estimates some).
+VARIANTS = {"posts": {}, "no checkpointing": dict(activation_checkpointing=False),
+            "SHARD_GRAD_OP": dict(strategy="shard_grad_op"), "bf16": dict(precision="bf16"),
+            "r=8": dict(lora_rank=8, lora_alpha=16), "attention only": dict(lora_targets="attention"),
+            "fp16 base": dict(base_dtype="fp16"), "full fine-tune": dict(lora_rank=None, lora_alpha=None),
+            "seq 4096": dict(seq_len=4096), "micro-batch 4": dict(batch_size=4)}
 
 
 def setting(**changes) -> TrainSetting:
@@ -27,6 +37,53 @@ def exact(settings: list, workers: int = 2) -> list:
     from ..sweep import estimate_all
 
     return estimate_all(list(settings), workers=workers)
+
+
+# --- Qwen-7B v1 as its own code lays it out --------------------------------------------------------------
+
+def qwen_v1_layer(config=None):
+    """One decoder layer of Qwen-7B v1 with the names of its own modeling code (QWenBlock), on the meta device:
+    q, k and v in ONE fused Linear `attn.c_attn` (hidden -> 3 x hidden, with bias), `attn.c_proj`, and the
+    SwiGLU MLP `mlp.w1`, `mlp.w2` (hidden -> intermediate) and `mlp.c_proj`. The lab builds Qwen-7B with
+    transformers' Qwen2 classes, which hold the same weights as three separate q/k/v projections."""
+    import torch
+    from torch import nn
+
+    from ..models import hf_config
+
+    c = config or hf_config("qwen-7b")
+    h, i = c.hidden_size, c.intermediate_size
+
+    def named(**modules):
+        module = nn.Module()
+        for name, child in modules.items():
+            module.add_module(name, child)
+        return module
+
+    with torch.device("meta"):
+        return named(ln_1=nn.RMSNorm(h), attn=named(c_attn=nn.Linear(h, 3 * h), c_proj=nn.Linear(h, h, bias=False)),
+                     ln_2=nn.RMSNorm(h), mlp=named(w1=nn.Linear(h, i, bias=False), w2=nn.Linear(h, i, bias=False),
+                                                   c_proj=nn.Linear(i, h, bias=False)))
+
+
+# The LoRA targets of Qwen's own fine-tuning script: every Linear of a layer (the LM head is not one of them).
+QWEN_V1_LORA_TARGETS = ["c_attn", "c_proj", "w1", "w2"]
+
+
+def qwen_v1_counts(rank: int = 64, config=None) -> dict:
+    """Parameters of Qwen-7B v1 in its own layout: `base` (the whole model) and `lora` (peft's LoRA adapters of
+    rank `rank` on every Linear of every layer, counted by peft on one meta-device layer times the layers)."""
+    from peft import LoraConfig, get_peft_model
+
+    from ..models import hf_config
+
+    c = config or hf_config("qwen-7b")
+    layer = qwen_v1_layer(c)
+    per_layer = sum(p.numel() for p in layer.parameters())
+    adapted = get_peft_model(layer, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=QWEN_V1_LORA_TARGETS))
+    lora = sum(p.numel() for p in adapted.parameters() if p.requires_grad) * c.num_hidden_layers
+    root = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.hidden_size   # wte, lm_head, ln_f
+    return {"base": per_layer * c.num_hidden_layers + root, "lora": lora, "layers": c.num_hidden_layers}
 
 
 def formula_grid(seq_lens, batch_sizes, base: TrainSetting = POSTS_SETTING) -> list:
@@ -145,9 +202,9 @@ def lora_dashboard(gpu_gib: float = 24.0, **start):
         fits = total <= gpu_gib
         ax = fig.add_subplot(1, 1, 1)
         draw_breakdown(ax, ["formula"], [report], [extra], gpu_gib=gpu_gib)
-        if chosen in found:
-            exact_marker(ax, 0, (found[chosen].peak_bytes + extra) / GIB, label="exact estimate")
         ax.set_ylim(0, max(gpu_gib * 1.15, total * 1.1))
+        if chosen in found:   # after the limits: the marker raises them if the star would touch the top
+            exact_marker(ax, 0, (found[chosen].peak_bytes + extra) / GIB, label="exact estimate")
         ax.set_title(f"Qwen-7B LoRA on 8 x A10: {total:.1f} GiB per GPU -> "
                      + ("fits" if fits else "does NOT fit"), fontsize=10)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -173,3 +230,71 @@ def lora_dashboard(gpu_gib: float = 24.0, **start):
     dash.exact = run_exact
     dash.widget = W.VBox([dash.widget, button])
     return dash
+
+
+# --- verdicts ------------------------------------------------------------------------------------------------
+
+def claim15_word(full_reports, gpu_gib: float = 24.0) -> str:
+    """The verdict word of claim 15 ("the A10s are consumer GPUs, and sharding is why a 7B model fits") from the
+    exact full fine-tune reports [no checkpointing, with]. The first half is wrong whatever is measured (the A10
+    is a datacenter card), so the claim is at best "partly" right: when a sharded full fine-tune fits in some
+    form; "wrong" when it does not fit even with checkpointing."""
+    return "partly" if min(r.peak_bytes for r in full_reports) / GIB <= gpu_gib else "wrong"
+
+
+def claim16_verdict(posts_gib: float, fsdp1_gib: dict, band=POSTS_BAND_GIB, source: dict | None = None) -> str:
+    """Claim 16 ("17-19 GB per card") from the exact FSDP2 peak of the posts' setting and the FSDP1 peaks of
+    the (seq, micro-batch) cells in `fsdp1_gib`; `source[cell]` says where a cell's number comes from
+    ("exact" or "formula")."""
+    lo, hi = band
+    inside = sorted(cell for cell, gib in fsdp1_gib.items() if lo <= gib <= hi)
+    where = ", ".join(f"seq {s} x {b} ({(source or {}).get((s, b), 'exact')})" for s, b in inside)
+    if lo <= posts_gib <= hi:
+        return f"right: the exact FSDP2 peak of the posts' setting, {posts_gib:.1f} GiB, is inside {lo:g}-{hi:g}."
+    side = "below" if posts_gib < lo else "above"
+    if inside:
+        return (f"plausible with FSDP1: under FSDP2 the posts' setting peaks at {posts_gib:.1f} GiB, {side} "
+                f"{lo:g}-{hi:g}; with FSDP1's frozen-weight gradients these land inside: {where}.")
+    return (f"not reproduced: FSDP2 peaks at {posts_gib:.1f} GiB ({side} {lo:g}-{hi:g}) and no setting "
+            "looked at lands in the band with FSDP1 either.")
+
+
+def draw_full_finetune(ax, full_reports, lora_report=None, gpu_gib: float = 24.0):
+    """Claim 15 in one picture: exact per-GPU peaks by category of a full fine-tune of Qwen-7B on 8 ranks
+    without and with activation checkpointing (and the posts' LoRA run when given) against the card."""
+    from ..display import draw_stacked
+
+    labels = ["full fine-tune\nno checkpointing", "full fine-tune\ncheckpointing"]
+    reports = list(full_reports)
+    if lora_report is not None:
+        labels.append("LoRA r=64\n(the posts)")
+        reports.append(lora_report)
+    bottoms = draw_stacked(ax, labels, reports, gpu_mem_gib=gpu_gib)
+    for x, height in enumerate(bottoms):
+        ax.text(x, height, f"{height:.1f}", ha="center", va="bottom", fontsize=9, fontweight="bold")
+    ax.set_ylim(0, max(max(bottoms), gpu_gib) * 1.15)
+    ax.set_title(f"Qwen-7B on 8 GPUs, exact per-GPU peak (GiB) against a {gpu_gib:g} GiB A10", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return bottoms
+
+
+# --- exercises -----------------------------------------------------------------------------------------------
+
+@exercise("06-lora-params")
+def _lora_params(answer, *, rank: int = 64):
+    """LoRA parameters of Qwen-7B v1 (fused c_attn) at `rank` on every Linear, against peft's count."""
+    from ..models import hf_config
+
+    c, counts = hf_config("qwen-7b"), qwen_v1_counts(rank)
+    return close(answer, counts["lora"], rel=0.0, unit=" parameters",
+                 hint=f"each adapted Linear(in, out) adds r x (in + out); v1 has ONE c_attn ({c.hidden_size} -> "
+                      f"{3 * c.hidden_size}) instead of three q/k/v projections, plus c_proj, w1, w2 and "
+                      f"mlp.c_proj, in each of {counts['layers']} layers.")
+
+
+@exercise("06-shard-gib")
+def _shard_gib(answer, *, report):
+    """GiB of sharded fp32 base weights one rank keeps in the posts' setting, against the exact report."""
+    return close(answer, report.resident["parameters"] / GIB, rel=0.03, unit=" GiB",
+                 hint="every weight is stored once in fp32 (4 bytes), split over the world size; the LoRA "
+                      "adapters are a small part of it.")

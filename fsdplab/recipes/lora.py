@@ -14,6 +14,8 @@ greedy decoding, and saving / merging the adapter.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -218,7 +220,10 @@ def load_merged(base_path, adapter_dir, dtype=None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(base_path), **dtype_kwarg(dtype))
-    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with warnings.catch_warnings():
+        # peft asks transformers for a property under its deprecated name while it loads the adapter
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
 
 
 # --- torchrun entry point ------------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""Lesson 01's package code: its exercise checkers (a right and a wrong answer each), its verdict words as
+functions of measured values, and a parameters cell papermill parses line by line."""
+
+import logging
+from pathlib import Path
+
+import papermill as pm
+import pytest
+
+from fsdplab.exercises import check
+from fsdplab.formula import formula
+from fsdplab.lessons import sharding_math as S
+from fsdplab.settings import GIB
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_sharding_math.ipynb"
+
+
+def test_shard_bytes_checker():
+    # a 5x3 fp32 weight on 4 ranks: ceil(5/4) = 2 rows of 3 floats on every rank, padding included
+    assert check("01-shard-bytes", 24, shape=(5, 3), world_size=4)
+    wrong = check("01-shard-bytes", 15 * 4 / 4, shape=(5, 3), world_size=4)
+    assert not wrong and "padded" in wrong.message
+
+
+def test_state_bytes_checker_uses_the_measured_report():
+    params = 234_880
+    report = formula(model=params, world_size=4, strategy="full_shard", precision="fp32")   # stands in for measure
+    measured = sum(report.resident.values()) / params
+    assert check("01-state-bytes", measured, report=report, params=params)
+    assert not check("01-state-bytes", 16, report=report, params=params)
+
+
+def test_pure_bf16_checker():
+    report = formula(model="llama2-7b", world_size=8, strategy="ddp", precision="bf16", base_dtype="bf16")
+    assert check("01-pure-bf16-gib", sum(report.resident.values()) / GIB)
+    wrong = check("01-pure-bf16-gib", 2 * sum(report.resident.values()) / GIB)
+    assert not wrong and "Hint" in wrong.message
+
+
+def test_no_answer_yet():
+    assert not check("01-shard-bytes", None, shape=(5, 3), world_size=4)
+
+
+def layouts_of(shape, n):
+    return [[{"local_shape": shape}] for _ in range(n)]
+
+
+def test_verdict_words_follow_the_measurements():
+    assert S.claim1_word(layouts_of((2, 4), 4), 4) == "wrong"
+    assert S.claim1_word(layouts_of((8, 1), 4), 4) == "right"
+    assert S.claim1_word(layouts_of((8, 4), 1), 1) == S.NOT_AT_ONE_RANK
+    assert S.claim2_word([16, 16, 16], [16, 8, 4]) == "wrong"
+    assert S.claim2_word([16], [16]) == S.NOT_AT_ONE_RANK
+    assert S.claim3_word(1.0002, 2.7, 4) == "partly" and S.claim3_word(1.0, 1.0, 4) == "right"
+    assert S.claim12_word(6.7, 4.0, 4) == "partly" and S.claim12_word(4.0, 4.0, 4) == "right"
+    assert S.claim17_word(100 * GIB, 64 * GIB) == "partly" and S.claim17_word(100 * GIB, 90 * GIB) == "wrong"
+    assert S.claim18_word(0.84e9, 14e9) == "wrong" and S.claim18_word(12e9, 14e9) == "plausible"
+
+
+def test_parameters_parse_and_world_size_is_declared(caplog):
+    with caplog.at_level(logging.WARNING):
+        declared = pm.inspect_notebook(str(NOTEBOOK))
+    assert "Unable to parse" not in caplog.text
+    assert {"world_size", "world_sizes", "wrap_layers", "estimate_workers"} <= set(declared)
+
+
+@pytest.mark.parametrize("needle", ["ddp7_state > 80e9", "24.3", "dash.set("])
+def test_fixed_statements_stay_fixed(needle):
+    assert needle not in NOTEBOOK.read_text()

@@ -1,0 +1,78 @@
+"""Lesson 06's package code: Qwen-7B v1's own layout and its LoRA size, the exercise checkers (a right and a
+wrong answer each), the verdicts of claims 15 and 16, reuse of estimates, and a parameters cell papermill
+parses line by line."""
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import papermill as pm
+
+from fsdplab.exercises import check
+from fsdplab.formula import formula
+from fsdplab.lessons import qwen7b_lora as Q
+from fsdplab.lessons.full_finetune import full_finetune_settings
+from fsdplab.models import PARAM_COUNTS, hf_config
+from fsdplab.settings import GIB
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "06_qwen7b_lora_8xA10.ipynb"
+
+
+def v1_lora_by_hand(rank):
+    c = hf_config("qwen-7b")
+    h, i = c.hidden_size, c.intermediate_size
+    per_layer = (h + 3 * h) + (h + h) + 2 * (h + i) + (i + h)        # c_attn, attn.c_proj, w1, w2, mlp.c_proj
+    return rank * per_layer * c.num_hidden_layers
+
+
+def test_qwen_v1_layout_holds_the_same_weights_and_a_smaller_lora():
+    counts = Q.qwen_v1_counts(64)
+    assert counts["base"] == PARAM_COUNTS["qwen-7b"]
+    assert counts["lora"] == v1_lora_by_hand(64)
+    qwen2_layout = formula(Q.POSTS_SETTING).detail["trainable_params"]      # three q/k/v adapters
+    assert counts["lora"] < qwen2_layout
+
+
+def test_lora_params_checker():
+    assert check("06-lora-params", v1_lora_by_hand(16), rank=16)
+    wrong = check("06-lora-params", formula(Q.setting(lora_rank=16, lora_alpha=32)).detail["trainable_params"], rank=16)
+    assert not wrong and "c_attn" in wrong.message
+
+
+def test_shard_gib_checker():
+    report = formula(Q.POSTS_SETTING)                                   # has the same resident shards as estimate
+    assert check("06-shard-gib", report.resident["parameters"] / GIB, report=report)
+    assert not check("06-shard-gib", 4 * PARAM_COUNTS["qwen-7b"] / GIB, report=report)     # forgot to shard
+
+
+def reports(*gib):
+    return [SimpleNamespace(peak_bytes=g * GIB) for g in gib]
+
+
+def test_claim15_word():
+    assert Q.claim15_word(reports(28.4, 20.8), 24) == "partly"
+    assert Q.claim15_word(reports(40, 30), 24) == "wrong"
+
+
+def test_claim16_verdict_is_computed():
+    text = Q.claim16_verdict(10.5, {(2048, 1): 14.7, (4096, 1): 18.8}, source={(4096, 1): "formula"})
+    assert text.startswith("plausible with FSDP1") and "seq 4096 x 1 (formula)" in text and "10.5" in text
+    assert Q.claim16_verdict(18.0, {(2048, 1): 22.0}).startswith("right")
+    assert Q.claim16_verdict(10.5, {(2048, 1): 14.7}).startswith("not reproduced")
+
+
+def test_full_finetune_variant_reuses_the_claim15_estimate():
+    assert Q.setting(**Q.VARIANTS["full fine-tune"]) == full_finetune_settings()[1]
+    assert Q.setting(**Q.VARIANTS["posts"]) == Q.POSTS_SETTING
+
+
+def test_parameters_parse_and_world_size_is_declared(caplog):
+    with caplog.at_level(logging.WARNING):
+        declared = pm.inspect_notebook(str(NOTEBOOK))
+    assert "Unable to parse" not in caplog.text
+    assert {"world_size", "exact_seq_lens", "exact_variants", "mini_steps"} <= set(declared)
+
+
+def test_fixed_statements_stay_fixed():
+    text = NOTEBOOK.read_text()
+    assert "one_gpu < gpu_gib < states" not in text and "159_907_840" not in text and "161_480_704" not in text
