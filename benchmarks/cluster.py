@@ -1,55 +1,190 @@
-"""How fast the lab's cluster is: start-up, per-call overhead, hang detection and recovery.
+"""How fast the lab's cluster is, next to torchrun: start-up, per-call overhead (collective record on and
+off), hang detection, restart after a fault, stop, and a flood of output.
 
-    python benchmarks/cluster.py [--world-size 2] [--calls 50]
+    python benchmarks/cluster.py [--world-size 2] [--calls 50] [--repeats 3]
 
-Prints a table. Timings depend on the machine and its load: run it on an idle machine.
+Prints a table. Timings depend on the machine and its load: run it on an idle machine, and compare rows
+measured in the same run.
 """
 
 import argparse
+import io
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import psutil
 
 import fsdplab
+
+# The same work for both launchers: start the ranks, one all_reduce, stop.
+TORCHRUN_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.ones(1)
+dist.all_reduce(x)
+dist.destroy_process_group()
+"""
+FSDPLAB_SCRIPT = """
+import sys, fsdplab
+def all_reduce():
+    import torch, torch.distributed as dist
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+with fsdplab.Cluster(int(sys.argv[1]), backend="gloo", quiet=True) as cluster:
+    cluster.run(all_reduce)
+"""
+
+
+def _whole_process(argv) -> float:
+    t = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def launcher_rows(world_size: int, repeats: int) -> list:
+    folder = Path(tempfile.mkdtemp(prefix="fsdplab-bench-"))
+    (folder / "tr.py").write_text(TORCHRUN_SCRIPT)
+    (folder / "lab.py").write_text(FSDPLAB_SCRIPT)
+    torchrun, lab = [], []
+    for _ in range(repeats):  # interleaved, so both see the same machine load
+        torchrun.append(_whole_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                        f"--nproc-per-node={world_size}", str(folder / "tr.py")]))
+        lab.append(_whole_process([sys.executable, str(folder / "lab.py"), str(world_size)]))
+    t, f = statistics.median(torchrun), statistics.median(lab)
+    return [(f"torchrun: start, all_reduce, exit (median of {repeats})", t, "whole process"),
+            (f"fsdplab: start, all_reduce, stop (median of {repeats})", f, "whole process"),
+            ("fsdplab / torchrun", f / t, "ratio, target <= 1.0")]
+
+
+def _all_reduce_loop(n):
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(1)
+    t = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x)
+    return time.perf_counter() - t
+
+
+def _timed(cluster, fn, *args) -> float:
+    t = time.perf_counter()
+    out = cluster.run(fn, *args, quiet=True)
+    return time.perf_counter() - t if fn is not _all_reduce_loop else max(out) / args[0]
+
+
+def record_rows(world_size: int, calls: int) -> list:
+    """The collective record's cost: two clusters, record off and on, measured in turns (same load)."""
+    clusters = {record: fsdplab.Cluster(world_size, backend="gloo", quiet=True, record_collectives=record).start()
+                for record in (False, True)}
+    noop, per_op = {False: [], True: []}, {False: [], True: []}
+    try:
+        for _ in range(calls):
+            for record, cluster in clusters.items():
+                noop[record].append(_timed(cluster, lambda: None))
+        for _ in range(5):
+            for record, cluster in clusters.items():
+                per_op[record].append(_timed(cluster, _all_reduce_loop, 200))
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    off, on = statistics.median(noop[False]), statistics.median(noop[True])
+    op_off, op_on = statistics.median(per_op[False]), statistics.median(per_op[True])
+    return [(f"no-op run, record off (median of {calls})", off, "target < 0.05 s"),
+            (f"no-op run, record on (median of {calls})", on, f"{(on / off - 1) * 100:+.1f}% (target < +5%)"),
+            ("1-float all_reduce on the ranks, record off", op_off, "median of 5 x 200"),
+            ("1-float all_reduce on the ranks, record on", op_on, f"{(op_on / op_off - 1) * 100:+.1f}%")]
+
+
+def fault_rows(world_size: int, hang_timeout: float) -> list:
+    rows = []
+    t = time.perf_counter()
+    cluster = fsdplab.Cluster(world_size, backend="gloo", quiet=True).start()
+    rows.append(("start to ready group (in the kernel)", time.perf_counter() - t, "target < 10 s"))
+
+    t = time.perf_counter()
+    try:
+        cluster.execute("dist.all_reduce(torch.ones(1))", ranks=[0], timeout=hang_timeout, quiet=True)
+    except fsdplab.RankHang:
+        pass
+    rows.append((f"hang detected and explained (timeout={hang_timeout:g} s)", time.perf_counter() - t,
+                 f"target < {hang_timeout + 1:g} s"))
+    t = time.perf_counter()
+    cluster.restart()
+    assert cluster.run(fsdplab.rank, quiet=True) == list(range(world_size))
+    rows.append(("restart() after the hang", time.perf_counter() - t, "target <= 5 s"))
+
+    t = time.perf_counter()
+    try:
+        cluster.execute("if rank() == 0:\n    raise ValueError('x')\ndist.barrier()", timeout=120, quiet=True)
+    except fsdplab.RankError:
+        pass
+    rows.append(("raise on one rank, others in barrier -> RankError", time.perf_counter() - t,
+                 "target: seconds, not the 120 s timeout"))
+    cluster.restart()
+
+    t = time.perf_counter()
+    try:
+        cluster.execute("import os\nif rank() == 0: os._exit(3)\ndist.barrier()", timeout=120, quiet=True)
+    except fsdplab.RankDied:
+        pass
+    rows.append(("rank exits inside a collective -> RankDied", time.perf_counter() - t, "target < 1 s"))
+    cluster.restart()
+
+    sink = io.StringIO()
+    t = time.perf_counter()
+    with redirect_stdout(sink):
+        cluster.quiet = False  # this row is about the echo
+        cluster.execute("for i in range(100_000):\n    print('line', i)", timeout=300)
+        cluster.quiet = True
+    rows.append(("100,000 lines per rank reach the notebook", time.perf_counter() - t,
+                 f"{sink.getvalue().count(chr(10)):,} lines written"))
+
+    import _thread
+    import threading
+
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    t = time.perf_counter()
+    try:
+        cluster.execute("import time\nwhile True:\n    time.sleep(0.01)", timeout=120, quiet=True)
+    except KeyboardInterrupt:
+        pass
+    rows.append(("interrupt a running cell (sent at 1.0 s)", time.perf_counter() - t,
+                 "until KeyboardInterrupt in the kernel"))
+    assert cluster.run(fsdplab.rank, quiet=True) == list(range(world_size))
+
+    procs = [psutil.Process(p) for p in cluster._all_pids()]
+    procs += [c for p in procs for c in p.children(recursive=True)]
+    t = time.perf_counter()
+    cluster.stop()
+    left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    rows.append(("stop()", time.perf_counter() - t, f"processes left: {len(left)} of {len(procs)}"))
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hang-timeout", type=float, default=3.0)
     args = parser.parse_args()
 
-    rows = []
-    t0 = time.perf_counter()
-    cluster = fsdplab.Cluster(args.world_size, quiet=True).start()
-    rows.append(("start to ready group", time.perf_counter() - t0, "target < 10 s"))
+    rows = launcher_rows(args.world_size, args.repeats)
+    rows += record_rows(args.world_size, args.calls)
+    rows += fault_rows(args.world_size, args.hang_timeout)
 
-    cluster.run(lambda: None)  # warm the path once
-    samples = []
-    for _ in range(args.calls):
-        t = time.perf_counter()
-        cluster.run(lambda: None, quiet=True)
-        samples.append(time.perf_counter() - t)
-    rows.append((f"no-op run, median of {args.calls}", statistics.median(samples), "target < 0.05 s"))
-
-    t = time.perf_counter()
-    try:
-        cluster.execute("dist.all_reduce(torch.ones(1))", ranks=[0], timeout=args.hang_timeout, quiet=True)
-    except fsdplab.RankHang:
-        pass
-    rows.append((f"hang detected (timeout={args.hang_timeout:g} s)", time.perf_counter() - t,
-                 f"target < {args.hang_timeout + 5:g} s"))
-
-    t = time.perf_counter()
-    cluster.restart()
-    assert cluster.run(lambda: fsdplab.rank(), quiet=True) == list(range(args.world_size))
-    rows.append(("restart() after the hang", time.perf_counter() - t, "target < 15 s"))
-    cluster.stop()
-
-    print(f"\nfsdplab cluster benchmark: world_size={args.world_size}, backend={cluster.backend}")
-    print(f"{'measure':<34} {'seconds':>9}  target")
-    for name, seconds, target in rows:
-        print(f"{name:<34} {seconds:9.3f}  {target}")
+    print(f"\nfsdplab cluster benchmark: world_size={args.world_size}, backend=gloo, "
+          f"{psutil.cpu_count()} CPU(s), load average {psutil.getloadavg()[0]:.1f}")
+    print(f"{'measure':<52} {'value':>9}  note")
+    for name, value, note in rows:
+        print(f"{name:<52} {value:9.4f}  {note}")
 
 
 if __name__ == "__main__":

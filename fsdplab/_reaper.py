@@ -1,9 +1,15 @@
 """Watcher that kills a cluster's processes when the notebook kernel that owns them is gone.
 
-Run as `python -m fsdplab._reaper KERNEL_PID PIDFILE`. The pid file lists the rank and controller
-processes (rewritten on restart). Cluster.stop() kills this watcher on a normal shutdown.
+Run as `python -m fsdplab._reaper KERNEL_PID WORKDIR`, before the cluster starts any process. When the
+kernel is gone it kills every process started for the cluster: those listed in WORKDIR/pids and any
+process whose command line or environment names WORKDIR (ipyparallel passes its profile folder, which
+lives there, to the controller and every engine), so a kernel killed half-way through start-up leaves
+nothing behind. Then it removes WORKDIR (it holds the connection keys). Cluster.stop() kills this
+watcher on a normal shutdown.
 """
 
+import os
+import shutil
 import sys
 import time
 
@@ -26,27 +32,54 @@ def _gone(kernel) -> bool:
         return True
 
 
-def main(kernel_pid: int, pidfile: str) -> None:
+def _names_workdir(proc, workdir: str) -> bool:
+    try:
+        if any(workdir in arg for arg in proc.cmdline()):
+            return True
+        return any(workdir in value for value in proc.environ().values())
+    except psutil.Error:
+        return False
+
+
+def _victims(workdir: str) -> list:
+    found = {}
+    for pid in _pids(os.path.join(workdir, "pids")):
+        try:
+            found[pid] = psutil.Process(pid)
+        except psutil.Error:
+            pass
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid != me and proc.pid not in found and _names_workdir(proc, workdir):
+            found[proc.pid] = proc
+    # Children first collected, then killed: a killed parent's children would be re-parented and lost.
+    for proc in list(found.values()):
+        try:
+            for child in proc.children(recursive=True):
+                found.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    return list(found.values())
+
+
+def main(kernel_pid: int, workdir: str) -> None:
+    if os.path.isfile(workdir):  # an older caller passed WORKDIR/pids
+        workdir = os.path.dirname(workdir)
     try:
         kernel = psutil.Process(kernel_pid)
     except psutil.NoSuchProcess:
         kernel = None
     while kernel is not None and not _gone(kernel):
         time.sleep(0.5)
-    # The controller runs its schedulers as child processes: collect every descendant before killing,
-    # or they would outlive it as orphans.
-    victims = []
-    for pid in _pids(pidfile):
-        try:
-            proc = psutil.Process(pid)
-            victims += [proc] + proc.children(recursive=True)
-        except psutil.Error:
-            pass
-    for proc in victims:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    # A process being launched while the kernel died appears a moment later: look a few times.
+    for _ in range(3):
+        for proc in _victims(workdir):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        time.sleep(0.5)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -75,8 +75,43 @@ def print0(*args, **kwargs) -> None:
         builtins.print(*args, **kwargs)
 
 
+def loopback_interface() -> str:
+    """Name of the network interface that carries 127.0.0.1 ('lo' on Linux, 'lo0' on macOS)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
+
+
+def open_store(*, world_size: int, timeout_s: float) -> int:
+    """On rank 0, before setup(): the group's TCPStore on a loopback socket; returns its port.
+
+    The socket is bound here, to 127.0.0.1 with a port the OS picks, and handed to the store: nothing
+    listens on another interface and no chosen port can be taken by someone else in between."""
+    import socket
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for use_libuv in (True, False):  # some torch versions take a listening socket only without libuv
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        try:
+            _STATE["store"] = dist.TCPStore("127.0.0.1", port, world_size, True, wait_for_workers=False,
+                                            timeout=timeout, master_listen_fd=sock.detach(), use_libuv=use_libuv)
+            break
+        except (RuntimeError, TypeError, ValueError):
+            if not use_libuv:
+                raise
+    return port
+
+
 def setup(*, rank: int, world_size: int, master_port: int, backend: str, collective_timeout_s: float,
-          num_threads: int, stack_file: str, sys_path: list | None = None) -> dict:
+          num_threads: int, stack_file: str, sys_path: list | None = None, ask_file: str | None = None) -> dict:
     """Join the process group as `rank`. Runs once on each rank, all ranks at the same time."""
     import sys
 
@@ -87,6 +122,10 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), OMP_NUM_THREADS=str(num_threads),
     )
+    # gloo listens for its peers on the interface its host name resolves to, often a public one.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    if backend == "nccl":  # its bootstrap sockets too: every rank is on this host
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", os.environ["GLOO_SOCKET_IFNAME"])
     # A rank stuck inside a collective sits in C++ code where no Python signal handler can run;
     # faulthandler dumps the Python stacks from C, which is how RankHang tells where a rank is stuck.
     stack_out = open(stack_file, "a", buffering=1)
@@ -102,13 +141,23 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
         device_name, device_type = f"cuda:{rank}", "cuda"
     else:
         device_name, device_type = "cpu", "cpu"
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    store = _STATE.pop("store", None)
+    if store is None and rank != 0:
+        store = dist.TCPStore("127.0.0.1", master_port, world_size, False, timeout=timeout)
+    if store is not None:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     _STATE.update(
         rank=rank, world_size=world_size, backend=backend, device=device_name,
         mesh=init_device_mesh(device_type, (world_size,)), stack_out=stack_out,
         main_thread=threading.main_thread().ident,
     )
+    if ask_file is not None:
+        from . import hang
+
+        hang.start_answering(ask_file, _STATE)
     return {"rank": rank, "pid": os.getpid(), "device": device_name, "main_thread": _STATE["main_thread"]}
 
 
@@ -119,3 +168,62 @@ def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE.clear()
+
+
+# --- calls from the kernel ------------------------------------------------------------------------
+# Cluster.run and Cluster.execute send these instead of the user's code itself: an exception comes back
+# as a Failure (a plain value), with the user's frames only, instead of ipyparallel's formatted text.
+
+class Failure:
+    """An exception raised on a rank: name, message and frames (filename, line number, function, source)."""
+
+    def __init__(self, ename: str, evalue: str, frames: list):
+        self.ename, self.evalue, self.frames = ename, evalue, frames
+
+    @classmethod
+    def of(cls, exc: BaseException, skip: int = 1) -> "Failure":
+        import traceback
+
+        # skip: the frames of the fsdplab function that caught it.
+        frames = [(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)]
+        frames = frames[skip:]
+        if isinstance(exc, SyntaxError) and exc.filename:
+            frames.append((exc.filename, exc.lineno or 0, "<module>", (exc.text or "").strip()))
+            return cls(type(exc).__name__, exc.msg or str(exc), frames)
+        return cls(type(exc).__name__, str(exc), frames)
+
+    def __repr__(self):
+        return f"Failure({self.ename}: {self.evalue})"
+
+
+def _running(what: str):
+    _STATE["now"] = (what, __import__("time").time())
+
+
+def call(fn, args: tuple, kwargs: dict):
+    """Run one kernel call on this rank; an exception (even SystemExit) comes back as a Failure."""
+    _running(getattr(fn, "__qualname__", repr(fn)))
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - the rank must live on and report it
+        return Failure.of(exc)
+    finally:
+        _STATE["now"] = None
+
+
+def run_source(source: str, filename: str):
+    """Run a %%ranks cell (IPython syntax allowed) in this rank's namespace, under `filename`."""
+    import linecache
+
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    _running(filename)
+    try:
+        code = compile(shell.transform_cell(source), filename, "exec")
+        exec(code, shell.user_ns)
+    except BaseException as exc:  # noqa: BLE001
+        return Failure.of(exc)
+    finally:
+        _STATE["now"] = None

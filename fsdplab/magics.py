@@ -4,8 +4,11 @@
     %%ranks                 # all ranks, the cluster's default timeout
     %%ranks -t 30 -r 0,1    # 30 s timeout, ranks 0 and 1 only
 
-Output is printed as it arrives, each line labelled `[rank N]`. Variables a cell defines stay on the
-ranks for the next cell; `cluster.pull("name")` brings them to the kernel.
+Output is printed as it arrives, each line labelled `[rank N]`; a line every rank printed alike is shown
+once, as `[ranks 0-7] ...`. Variables a cell defines stay on the ranks for the next cell;
+`cluster.pull("name")` brings them to the kernel. An error names the cell's own line (`Cell In[N], line L`).
+
+    %ranks_status           # per rank: pid, host, device, memory in use, what it runs right now
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def _parser():
 
 
 def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
+    __tracebackhide__ = True  # noqa: F841 - IPython shows the cell's frames, not the magic's
     try:
         args = _parser().parse_args(shlex.split(line))
     except SystemExit:
@@ -36,7 +40,14 @@ def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
             ranks = [int(r) for r in args.ranks.split(",")]
         except ValueError:
             raise ValueError(f"-r takes comma-separated rank numbers like 0,1; got {args.ranks!r}.") from None
-    cluster.execute(cell, timeout=args.timeout, ranks=ranks)
+    # The ranks compile the body under this cell's own name, one line down (the %%ranks line), so
+    # tracebacks and the hang explainer say `Cell In[N], line L` with the notebook's numbers.
+    from .tracebacks import current_cell_filename
+
+    filename = current_cell_filename()
+    # (A comment, not a blank line: IPython drops leading blank lines before it compiles a cell.)
+    source = f"# %%ranks {line}\n{cell}" if filename else cell
+    cluster.execute(source, timeout=args.timeout, ranks=ranks, filename=filename)
 
 
 def _find_cluster(name, user_ns: dict) -> Cluster:
@@ -55,8 +66,22 @@ def _find_cluster(name, user_ns: dict) -> Cluster:
     return running[0]
 
 
+def status_magic(line: str, user_ns: dict | None = None):
+    """`%ranks_status [-c NAME]`: the cluster's per-rank table (cluster.status())."""
+    try:
+        args = _parser().parse_args(shlex.split(line))
+    except SystemExit:
+        raise ValueError(f"%ranks_status options not understood: {line!r}. Use -c NAME.") from None
+    _find_cluster(args.cluster, user_ns or {}).status()
+
+
 def register(ipython) -> None:
     def ranks(line, cell):
+        __tracebackhide__ = True  # noqa: F841
         ranks_magic(line, cell, ipython.user_ns)
 
+    def ranks_status(line):
+        status_magic(line, ipython.user_ns)
+
     ipython.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
+    ipython.register_magic_function(ranks_status, magic_kind="line", magic_name="ranks_status")

@@ -1,0 +1,218 @@
+"""What each rank is doing right now: the collective it waits in or finished last, and where in user code.
+
+Each rank runs a small answering thread (started by fsdplab.dist.setup). The kernel writes a request to
+the rank's ask file (a named pipe); the thread answers with a snapshot: the Python frames of the rank's
+main thread, the last collectives from torch's flight recorder (TORCH_FR_BUFFER_SIZE, which records op,
+sequence number, group, shapes and dtypes on gloo and nccl), what call is running, and memory in use.
+A thread can answer while the main thread is blocked inside a collective: the wait runs in C++ with
+the GIL released.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+# Collectives the flight recorder keeps per rank; set on the ranks before torch creates a group.
+FR_ENTRIES = 32
+FR_ENV = {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES), "TORCH_INCLUDE_STACK_TRACE": "0"}
+
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+           "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
+
+
+# --- on the rank --------------------------------------------------------------------------------
+_RANK_STATE: dict = {}   # fsdplab.dist's per-rank state, handed over by start_answering (no import cycle)
+
+
+def start_answering(ask_file: str, rank_state: dict) -> None:
+    """Create the ask pipe and the thread that answers on it (once per rank process). `rank_state` is
+    fsdplab.dist's live state dict: what the rank is running ("now") and its world size."""
+    global _RANK_STATE
+    _RANK_STATE = rank_state
+    if not os.path.exists(ask_file):
+        os.mkfifo(ask_file)
+    threading.Thread(target=_answer_loop, args=(ask_file,), daemon=True, name="fsdplab-answer").start()
+
+
+def _answer_loop(ask_file: str) -> None:
+    while True:
+        try:
+            with open(ask_file, "rb") as pipe:  # blocks until the kernel opens it to write
+                request = pipe.read().decode(errors="replace").strip()
+        except OSError:
+            return  # the scratch folder is gone: the cluster is stopping
+        if not request:
+            continue
+        try:
+            answer = snapshot()
+        except Exception as exc:  # noqa: BLE001 - an answer that says why beats no answer
+            answer = {"error": repr(exc)}
+        answer["request"] = request
+        tmp = f"{ask_file}.{request}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(answer, f)
+            os.replace(tmp, f"{ask_file}.json")
+        except OSError:
+            return
+
+
+def snapshot() -> dict:
+    """This rank's state: main-thread frames, recent collectives, running call, memory."""
+    import traceback
+
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main)
+    frames = [(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack(frame)] if frame else []
+    # Only what runs below the kernel's call (fsdplab.dist.call / run_source) is the user's; an idle
+    # rank shows none.
+    entries = [i for i, f in enumerate(frames) if f[0].endswith(os.path.join("fsdplab", "dist.py"))
+               and f[2] in ("call", "run_source")]
+    frames = frames[entries[-1] + 1:] if entries else []
+    now = _RANK_STATE.get("now")
+    return {"frames": frames, "collectives": _recent_collectives(), "running": now[0] if now else None,
+            "running_s": time.time() - now[1] if now else None, "pid": os.getpid(), **_memory()}
+
+
+def _memory() -> dict:
+    import psutil
+
+    out = {"rss": psutil.Process().memory_info().rss}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        out.update(cuda_allocated=torch.cuda.memory_allocated(), cuda_reserved=torch.cuda.memory_reserved())
+    return out
+
+
+def _recent_collectives() -> list:
+    """The flight recorder's last entries, trimmed to what the explanation needs (empty if unavailable)."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+
+        dump = json.loads(c10d._dump_fr_trace_json())
+    except Exception:  # noqa: BLE001 - an older torch, or no recorder: fall back to stacks alone
+        return []
+    groups = {}
+    for key, config in (dump.get("pg_config") or {}).items():
+        ranks = config.get("ranks", "[]")
+        try:
+            ranks = json.loads(ranks) if isinstance(ranks, str) else list(ranks)
+        except ValueError:
+            ranks = []
+        groups[key] = {"desc": config.get("desc", key), "size": len(ranks)}
+    out = []
+    for entry in (dump.get("entries") or [])[-4:]:
+        pg = list(entry.get("process_group") or ["", ""]) + [""]
+        group = groups.get(str(pg[0])) or {"desc": pg[1], "size": None}
+        if pg[1] == "default_pg":  # recorded under an empty name by some torch versions
+            group = {"desc": pg[1], "size": _RANK_STATE.get("world_size")}
+        out.append({"op": str(entry.get("profiling_name", "?")).split(":")[-1],
+                    "seq": entry.get("collective_seq_id") or entry.get("p2p_seq_id"),
+                    "group": group["desc"], "group_size": group["size"],
+                    "sizes": entry.get("input_sizes") or [], "dtypes": entry.get("input_dtypes") or [],
+                    "done": bool(entry.get("retired")) or entry.get("state") == "completed"})
+    return out
+
+
+# --- in the kernel ------------------------------------------------------------------------------
+def ask(ask_files: dict, wait_s: float = 1.0) -> dict:
+    """rank -> snapshot, from each rank's answering thread; a rank that does not answer in time is left out."""
+    request = f"{os.getpid()}-{time.monotonic_ns()}"
+    asked = {}
+    for rank, path in ask_files.items():
+        if _write_request(path, request):
+            asked[rank] = path
+    answers, deadline = {}, time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        for rank, path in list(asked.items()):
+            try:
+                with open(f"{path}.json") as f:
+                    answer = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if answer.get("request") == request:
+                answers[rank] = answer
+                del asked[rank]
+        time.sleep(0.01)
+    return answers
+
+
+def _write_request(path: str, request: str) -> bool:
+    # Non-blocking: a rank whose thread is not listening (dead, or busy between requests) must not
+    # block the kernel. The thread reopens the pipe at once, so a few short retries cover the gap.
+    for _ in range(20):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            time.sleep(0.005)
+            continue
+        try:
+            os.write(fd, request.encode())
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+    return False
+
+
+def tensors(sizes: list, dtypes: list) -> str:
+    """'1 float32', '4x8 bfloat16', '2 tensors: 4x8 float32, ...' from flight-recorder fields."""
+    described = []
+    for size, dtype in zip(sizes, dtypes):
+        shape = "x".join(map(str, size)) if size else "scalar"
+        described.append(f"{shape} {_DTYPES.get(dtype, dtype.lower())}")
+    if not described:
+        return "no tensors"
+    if len(described) == 1:
+        return described[0]
+    return f"{len(described)} tensors: {described[0]}" + (", ..." if len(described) > 1 else "")
+
+
+def _collective(entry: dict) -> str:
+    group = f"group of {entry['group_size']}" if entry.get("group_size") else f"group {entry.get('group')!r}"
+    return f"{entry['op']} #{entry['seq']} ({group}, {tensors(entry['sizes'], entry['dtypes'])})"
+
+
+def in_collective(state: dict) -> bool:
+    """Whether the rank's main thread is blocked in a collective (an unfinished recorded op, or a
+    torch.distributed frame on top of its stack)."""
+    frames = state.get("frames") or []
+    top = frames[-1][0].replace("\\", "/") if frames else ""
+    waiting = any(not e["done"] for e in state.get("collectives") or [])
+    return "torch/distributed/" in top or (waiting and state.get("running") is not None)
+
+
+def latest(state: dict | None) -> dict | None:
+    """The collective a rank waits in, else the last one it finished: {op, seq, group_size, done, ...}."""
+    collectives = (state or {}).get("collectives") or []
+    waiting = [e for e in collectives if not e["done"]]
+    return (waiting or collectives or [None])[-1]
+
+
+def explain(rank: int, state: dict | None) -> str:
+    """One line: 'rank 0 waits in all_reduce #41 (group of 2, 1 float32) at Cell In[12], line 1', or
+    'rank 1 finished all_reduce #40 (group of 2, 1 float32), now idle'."""
+    from .tracebacks import innermost_user_location
+
+    if not state:
+        return f"rank {rank} did not answer (busy in code that holds the GIL, or gone)"
+    if "error" in state:
+        return f"rank {rank}: no state ({state['error']})"
+    collectives = state.get("collectives") or []
+    waiting = [e for e in collectives if not e["done"]]
+    finished = [e for e in collectives if e["done"]]
+    where = innermost_user_location([tuple(f) for f in state.get("frames") or []])
+    at = f" at {where}" if where else ""
+    if waiting and in_collective(state):
+        return f"rank {rank} waits in {_collective(waiting[-1])}{at}"
+    last = f"finished {_collective(finished[-1])}" if finished else "has run no collective yet"
+    if state.get("running") is None:
+        return f"rank {rank} {last}, now idle"
+    if in_collective(state):
+        return f"rank {rank} waits in a collective{at} (no record of it; {last})"
+    return f"rank {rank} {last}, now running{at}"

@@ -1,0 +1,177 @@
+"""Tracebacks from the ranks, told in the notebook's terms: `Cell In[N], line L`, the user's frames first.
+
+A rank sends back the frames of its exception (fsdplab.dist.Failure). The kernel formats them: a frame
+in code the notebook ran is named by its cell, as IPython does; the lab's own plumbing (ipyparallel,
+fsdplab.cluster, fsdplab.dist) is dropped; a run of library frames (torch, the standard library) shrinks
+to its last frame and a count.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sysconfig
+
+# Frames that are the lab's plumbing, never the user's code.
+_PLUMBING = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets)[/\\]"
+                       r"|[/\\]fsdplab[/\\](cluster|dist|magics)\.py$|^<frozen runpy>$")
+# Longest first: site-packages lives inside the standard library's folder.
+_LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in
+                               (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                sysconfig.get_paths()["stdlib"]) if p}, key=len, reverse=True))
+_SOURCE_PREFIX = "<ranks source"   # filename of execute() source that came from no notebook cell
+
+
+def cell_of(filename: str):
+    """The notebook execution count IPython compiled `filename` for, or None."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    return mapping.get(filename)
+
+
+def current_cell_filename():
+    """The filename IPython compiled the running cell under (what its frames will carry), or None."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    count = getattr(shell, "execution_count", None)
+    names = [name for name, number in mapping.items() if number == count]
+    return names[-1] if names else None
+
+
+def location(filename: str, lineno: int) -> str:
+    """`Cell In[N], line L` for notebook code, `source line L` for execute() text, else `file:L`."""
+    cell = cell_of(filename)
+    if cell is not None:
+        return f"Cell In[{cell}], line {lineno}"
+    if filename.startswith(_SOURCE_PREFIX):
+        return f"{filename.strip('<>')}, line {lineno}"
+    return f"{filename}:{lineno}"
+
+
+def _library(filename: str):
+    """'torch', 'python' (the standard library), ... for a library frame; None for user code."""
+    path = os.path.realpath(filename)
+    if "fsdplab" in path.split(os.sep):
+        return None
+    for root in _LIBRARY_ROOTS:
+        if path.startswith(root):
+            rest = path[len(root):].split(os.sep)
+            return "python" if "site-packages" not in root and "dist-packages" not in root else rest[0].split(".")[0]
+    return None
+
+
+def _source_line(filename: str, lineno: int, fallback: str) -> str:
+    line = linecache.getline(filename, lineno).strip()
+    return line or fallback.strip()
+
+
+def user_frames(frames: list, collapse: bool = True) -> list:
+    """The frames worth showing: plumbing dropped, each run of library frames cut to its last frame
+    (all kept when not `collapse`).
+
+    Returns (location, function, source line, skipped library frames before it, library name) tuples."""
+    kept, skipped = [], []
+    for filename, lineno, name, line in frames:
+        if _PLUMBING.search(filename):
+            continue
+        lib = _library(filename) if collapse else None
+        if lib is not None:
+            skipped.append((filename, lineno, name, line, lib))
+            continue
+        if skipped:
+            kept.append(_library_entry(skipped))
+            skipped = []
+        kept.append((location(filename, lineno), name, _source_line(filename, lineno, line), 0, None))
+    if skipped:
+        kept.append(_library_entry(skipped))
+    return kept
+
+
+def _library_entry(run: list):
+    filename, lineno, name, line, lib = run[-1]
+    return (f"{_short(filename)}:{lineno}", name, _source_line(filename, lineno, line), len(run) - 1, lib)
+
+
+def _short(filename: str) -> str:
+    """A library file relative to its install folder: torch/distributed/distributed_c10d.py."""
+    path = os.path.realpath(filename)
+    for root in _LIBRARY_ROOTS:
+        if path.startswith(root):
+            return path[len(root):]
+    return filename
+
+
+def innermost_user_location(frames: list):
+    """Where in the user's code the exception came from (the newest non-library frame), or None."""
+    for loc, _name, _line, _skipped, lib in reversed(user_frames(frames)):
+        if lib is None:
+            return loc
+    return None
+
+
+def format_frames(frames: list, indent: str = "  ", collapse: bool = True) -> str:
+    """Frames as traceback text, oldest call first."""
+    out = []
+    for loc, name, line, skipped, lib in user_frames(frames, collapse):
+        if skipped:
+            out.append(f"{indent}... {skipped} more frame(s) in {lib}")
+        out.append(f"{indent}{loc}, in {name}")
+        if line:
+            out.append(f"{indent}    {line}")
+    return "\n".join(out)
+
+
+def rank_list(ranks) -> str:
+    """'rank 3', 'ranks 0-7', 'ranks 0, 2, 5': ranks written the short way."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return "ranks " + ", ".join(runs)
+
+
+def group_same(items: dict) -> list:
+    """[(ranks, value)] with ranks whose values are equal put together, in rank order."""
+    groups: list = []
+    for rank, value in sorted(items.items()):
+        for ranks, seen in groups:
+            if seen == value:
+                ranks.append(rank)
+                break
+        else:
+            groups.append(([rank], value))
+    return groups
+
+
+def describe_failures(failures: dict) -> tuple:
+    """(summary lines, traceback blocks) for rank -> Failure; equal failures on several ranks are shown once."""
+    keyed = {r: (f.ename, f.evalue, tuple(map(tuple, f.frames))) for r, f in failures.items()}
+    summary, blocks = [], []
+    for ranks, (ename, evalue, frames) in group_same(keyed):
+        where = innermost_user_location(list(frames))
+        first_line = (evalue.strip().splitlines() or [""])[0]
+        summary.append(f"{rank_list(ranks)}: {ename}: {first_line}" + (f"  ({where})" if where else ""))
+        body = format_frames(list(frames))
+        blocks.append(f"--- {rank_list(ranks)} (most recent call last) ---\n"
+                      + (body + "\n" if body else "") + f"{ename}: {evalue}".rstrip())
+    return summary, blocks
+
+
+def failure_text(failure) -> str:
+    """One rank's failure as traceback text."""
+    body = format_frames(failure.frames)
+    return (body + "\n" if body else "") + f"{failure.ename}: {failure.evalue}".rstrip()
+
