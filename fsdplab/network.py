@@ -81,6 +81,11 @@ def get_link(link) -> Link:
     return PRESETS[matches[0]]
 
 
+def speed_ratio(fast, slow) -> float:
+    """How many times the bandwidth of link `fast` is that of link `slow` (Links or PRESETS names)."""
+    return get_link(fast).bandwidth_gbps / get_link(slow).bandwidth_gbps
+
+
 def collective_time(kind: str, nbytes: float, world_size: int, link) -> float:
     """Seconds for one ring collective on a full tensor of `nbytes` over `world_size` ranks on `link`:
     (N-1)/N x bytes / bandwidth + (N-1) x latency; all-reduce (= reduce-scatter + all-gather) twice that."""

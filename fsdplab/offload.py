@@ -16,6 +16,9 @@ Bandwidth figures (vendor specifications, per direction, theoretical peak):
   (2,039 GB/s HBM2e; PCIe 4.0 host link); H100 SXM 3.35 TB/s (HBM3; PCIe 5.0 host link).
 - Dense bf16 tensor-core peak: A10 125 TFLOP/s, A100 312 TFLOP/s, H100 SXM 989 TFLOP/s (the data sheets'
   larger numbers assume 2:4 sparsity).
+- The host CPU (lesson 03's defaults for `rank_adamw_seconds_per_param`): an 8-GPU A10 server such as AWS
+  g5.48xlarge has 96 physical cores (192 vCPUs, two AMD EPYC sockets), 12 per GPU; two sockets of 8
+  DDR4-3200 channels give 2 x 8 x 25.6 = 410 GB/s of memory bandwidth, shared by the 8 ranks' optimizer steps.
 
 So the host link is ~1/19 of an A10's memory bandwidth, ~1/64 of an A100's and ~1/53 of an H100's (PCIe 5),
 not "1/10". Reported end-to-end slowdowns of FSDP CPU offload with AdamW are 3-10x, not 30%, and the
@@ -27,6 +30,7 @@ FSDP has no NVMe tier: offloading optimizer state or parameters to NVMe is DeepS
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -125,47 +129,86 @@ def llama_like(num_params: float):
                        use_cache=False, name_or_path=f"{num_params / 1e9:g}B")
 
 
-def draw_ledger(ax, ledgers: dict, gpu_mem_gib: float | None = None):
-    """Stacked per-category bars: GPU bytes without and with offload, and the host bytes offload adds.
-    `ledgers`: {False: ledger(...), True: ledger(..., cpu_offload=True)}."""
-    from types import SimpleNamespace
-
-    from .display import draw_stacked
-
-    bars = [SimpleNamespace(by_category=ledgers[False]["gpu"]), SimpleNamespace(by_category=ledgers[True]["gpu"]),
-            SimpleNamespace(by_category=ledgers[True]["cpu"])]
-    draw_stacked(ax, ["no offload:\nGPU", "offload:\nGPU", "offload:\nhost (pinned)"], bars, gpu_mem_gib)
-    ax.set_ylabel("memory per rank (GiB)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-
-
 # --- what it costs ---------------------------------------------------------------------------------
 
-def time_adamw_step(num_params: int = 20_000_000, repeats: int = 3, chunk: int = 4_000_000, seed: int = 0) -> dict:
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; os.cpu_count() where there is none)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # macOS and Windows have no affinity masks
+        return os.cpu_count() or 1
+
+
+def time_adamw_step(num_params: int = 20_000_000, repeats: int = 3, chunk: int = 4_000_000, seed: int = 0,
+                    threads: int | None = None, fused: bool | None = None) -> dict:
     """Time a real torch.optim.AdamW step on this process's CPU over `num_params` fp32 parameters.
 
-    Parameters come in `chunk`-sized tensors (like a rank's shards). The first step (which allocates the
-    state) is not timed; the result is the median of `repeats` steps. Returns seconds and seconds per param.
+    Parameters come in `chunk`-sized tensors (like a rank's shards). `threads`: torch's intra-op threads for
+    the timing (restored afterwards; None keeps the current setting). `fused`: AdamW's fused CPU kernel (one
+    pass over memory) instead of the default per-op loop. The first step (which allocates the state) is not
+    timed; the result is the median of `repeats` steps, on the wall clock ("seconds") and in CPU time of this
+    process, all threads ("cpu_seconds": on one thread, the time the step kept a core busy, which other
+    processes on a shared machine do not inflate). Returns both, per parameter too, and the threads.
     """
     import torch
 
-    if num_params < chunk:
-        chunk = num_params
-    gen = torch.Generator().manual_seed(seed)
-    sizes = [chunk] * (num_params // chunk) + ([num_params % chunk] if num_params % chunk else [])
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in sizes]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    opt.step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    if num_params < 1 or repeats < 1:
+        raise ValueError("num_params and repeats must be >= 1.")
+    chunk = min(chunk, num_params)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        sizes = [chunk] * (num_params // chunk) + ([num_params % chunk] if num_params % chunk else [])
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in sizes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
         opt.step()
-        times.append(time.perf_counter() - t0)
-    seconds = sorted(times)[len(times) // 2]
+        times, cpu_times = [], []
+        for _ in range(repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    seconds, cpu_seconds = statistics.median(times), statistics.median(cpu_times)
     return {"num_params": num_params, "seconds": seconds, "seconds_per_param": seconds / num_params,
-            "threads": torch.get_num_threads()}
+            "cpu_seconds": cpu_seconds, "cpu_seconds_per_param": cpu_seconds / num_params,
+            "threads": used, "fused": bool(fused)}
+
+
+# Bytes AdamW reads and writes per fp32 parameter in one pass (a fused kernel): parameter, gradient and the
+# two moments read, parameter and moments written, 4 x 4 + 3 x 4.
+ADAMW_BYTES_PER_PARAM = 28
+# torch's default AdamW on CPU tensors (the single-tensor loop) makes one pass per op, 4 bytes per element
+# read or written: param.mul_ 8, exp_avg.lerp_ 12, exp_avg_sq.mul_ 8 and .addcmul_ 12, denom = sqrt 8,
+# / 8, .add_ 8, param.addcdiv_ 16.
+ADAMW_FOR_LOOP_BYTES_PER_PARAM = 80
+
+
+def rank_adamw_seconds_per_param(one_thread_seconds_per_param: float, cores_per_rank: int,
+                                 host_memory_bytes_per_s: float, ranks_per_host: int,
+                                 bytes_per_param: int = ADAMW_BYTES_PER_PARAM) -> dict:
+    """CPU AdamW seconds per parameter on one rank of a host, extrapolated from a one-thread measurement.
+
+    Threads: `cores_per_rank` threads are assumed to split the work perfectly (an optimistic bound: measured
+    scaling is lower). Memory: the step cannot beat `bytes_per_param` (ADAMW_BYTES_PER_PARAM for a fused
+    step, ADAMW_FOR_LOOP_BYTES_PER_PARAM for torch's default on CPU) at the rank's share of the host's memory
+    bandwidth, `host_memory_bytes_per_s / ranks_per_host` (all ranks step at once). The result is the larger
+    of the two, so it is a lower bound on the real time.
+    """
+    if min(one_thread_seconds_per_param, cores_per_rank, host_memory_bytes_per_s, ranks_per_host, bytes_per_param) <= 0:
+        raise ValueError("the measured time, cores_per_rank, host memory bandwidth and ranks_per_host must be > 0.")
+    threads = one_thread_seconds_per_param / cores_per_rank
+    memory = bytes_per_param * ranks_per_host / host_memory_bytes_per_s
+    return {"threads_bound": threads, "memory_bound": memory, "seconds_per_param": max(threads, memory),
+            "limited_by": "memory bandwidth" if memory > threads else "cores"}
 
 
 def measure_host_bandwidth(megabytes: int = 256, repeats: int = 5) -> dict | None:
@@ -226,7 +269,7 @@ def step_time(num_params: float, world_size: int, gpu_name: str = "A10", *, cpu_
         transfer = (moved["h2d"] + moved["d2h"]) / (g.host_bytes_per_s * link_efficiency)
         optimizer = shard * cpu_adam_seconds_per_param
     else:
-        transfer, optimizer = 0.0, 28 * shard / g.memory_bytes_per_s
+        transfer, optimizer = 0.0, ADAMW_BYTES_PER_PARAM * shard / g.memory_bytes_per_s
     return {"compute": compute, "transfer": transfer, "optimizer": optimizer,
             "total": compute + transfer + optimizer,
             "total_overlapped": compute + max(0.0, transfer - compute) + optimizer}
@@ -348,44 +391,60 @@ def cost_table(num_params: float, world_size: int, cpu_adam_seconds_per_param: f
     return out
 
 
-def draw_cost(fig, table: dict, num_params: float, world_size: int, cpu_adam_seconds_per_param: float,
-              claimed_slowdown: float = 1.3, seq_len: int = 2048, title: str = ""):
-    """Left: stacked step-time bars per GPU without / with offload at the measured CPU AdamW speed.
-    Right: the slowdown as a function of the CPU AdamW speed (a faster host CPU), the measured speed marked,
-    against the posts' 1.3x and the 3-10x reported in pytorch#74588."""
+def draw_cost(fig, tables: dict, num_params: float, world_size: int, speeds: dict, claimed_slowdown: float = 1.3,
+              seq_len: int = 2048, title: str = "", reported=(3, 10)):
+    """Left: stacked step-time bars per GPU, without offload and with offload at each CPU AdamW speed.
+    Right: the slowdown as a function of the CPU AdamW speed, each speed of `speeds` marked on the curves,
+    against the posts' 1.3x and the `reported` range of pytorch#74588.
+
+    `speeds`: label -> CPU AdamW seconds per parameter; `tables`: label -> cost_table(...) at that speed."""
     import numpy as np
 
     ax_time, ax_ratio = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
-    labels = [f"{name}\n{kind}" for name in table for kind in ("GPU", "offload")]
+    gpus = list(next(iter(tables.values())))
+    columns = []
+    for name in gpus:
+        columns += [(name, None)] + [(name, label) for label in speeds]
+    short = {label: f"offload {i + 1}" for i, label in enumerate(speeds)}
+    labels = [f"{name}\n{'no offload' if label is None else short[label]}" for name, label in columns]
     x = list(range(len(labels)))
     bottom = [0.0] * len(labels)
-    for part, color, label in (("compute", "tab:blue", "compute (fwd+bwd+recompute)"),
-                               ("transfer", "tab:orange", "host<->device copies"),
-                               ("optimizer", "tab:purple", "AdamW step (GPU / CPU)")):
-        vals = [row[kind][part] for row in table.values() for kind in ("no offload", "offload")]
-        ax_time.bar(x, vals, bottom=bottom, color=color, label=label)
+    first = next(iter(tables.values()))
+    for part, color, legend in (("compute", "tab:blue", "compute (fwd+bwd+recompute)"),
+                                ("transfer", "tab:orange", "host<->device copies"),
+                                ("optimizer", "tab:purple", "AdamW step (GPU / CPU)")):
+        vals = [first[name]["no offload"][part] if label is None else tables[label][name]["offload"][part]
+                for name, label in columns]
+        ax_time.bar(x, vals, bottom=bottom, color=color, label=legend)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax_time.set_xticks(x, labels, fontsize=8)
+    ax_time.set_ylim(0, 1.35 * max(bottom))   # headroom: the legend sits above the tallest bar
+    ax_time.set_xticks(x, labels, fontsize=7)
     ax_time.set(ylabel="modelled step time per rank (s)",
                 title=f"{num_params / 1e9:.2f}B params, {world_size} ranks, {seq_len} tokens/rank")
-    ax_time.legend(fontsize=8)
-    speeds = np.logspace(-10.5, -8, 40)
-    for name in table:
-        base = table[name]["no offload"]["total"]
+    ax_time.legend(fontsize=8, title="; ".join(f"{short[k]}: {k}" for k in speeds), title_fontsize=7)
+    lo, hi = min(speeds.values()), max(speeds.values())
+    grid = np.unique(np.concatenate([np.logspace(np.log10(lo) - 1, np.log10(hi) + 0.5, 60), list(speeds.values())]))
+    markers = ["o", "s", "^", "D"]
+    for name in gpus:
+        base = first[name]["no offload"]["total"]
         ratio = [step_time(num_params, world_size, name, cpu_offload=True, cpu_adam_seconds_per_param=s,
-                           tokens_per_rank=seq_len)["total"] / base for s in speeds]
-        line, = ax_ratio.plot(speeds * 1e9, ratio, label=name)
-        ax_ratio.plot([cpu_adam_seconds_per_param * 1e9], [table[name]["slowdown"]], "o", color=line.get_color())
-    ax_ratio.axvline(cpu_adam_seconds_per_param * 1e9, color="gray", ls=":", label="measured here")
+                           tokens_per_rank=seq_len)["total"] / base for s in grid]
+        line, = ax_ratio.plot(grid * 1e9, ratio, label=name)
+        for marker, (label, spp) in zip(markers, speeds.items()):
+            ax_ratio.plot([spp * 1e9], [tables[label][name]["slowdown"]], marker, color=line.get_color())
+    for marker, (label, spp) in zip(markers, speeds.items()):
+        ax_ratio.plot([], [], marker, color="gray", label=short[label])
+        ax_ratio.axvline(spp * 1e9, color="gray", ls=":", lw=1)
     ax_ratio.axhline(claimed_slowdown, color="k", ls="--", label=f"posts: {claimed_slowdown:g}x")
-    ax_ratio.axhspan(3, 10, color="tab:red", alpha=0.12, label="reported 3-10x (pytorch#74588)")
+    ax_ratio.axhspan(*reported, color="tab:red", alpha=0.12, label=f"reported {reported[0]:g}-{reported[1]:g}x "
+                                                                   "(pytorch#74588)")
     ax_ratio.set(xscale="log", yscale="log", xlabel="CPU AdamW time per parameter (ns)",
                  ylabel="step time with offload / without (x)", title="slowdown vs host CPU speed")
     ax_ratio.legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    return table
+    return tables
 
 
 # --- a real offload run (GPU only) -----------------------------------------------------------------
@@ -436,7 +495,7 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
         times.append(time.perf_counter() - t0)
     p = next(iter(model.parameters()))
     state = opt.state[p]
-    return {"cpu_offload": cpu_offload, "seconds_per_step": sorted(times[1:])[len(times[1:]) // 2],
+    return {"cpu_offload": cpu_offload, "seconds_per_step": statistics.median(times[1:]),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev), "param_device": str(p.to_local().device),
             "optimizer_state_device": str(state["exp_avg"].to_local().device
                                           if hasattr(state["exp_avg"], "to_local") else state["exp_avg"].device)}
@@ -468,5 +527,5 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
         train_step(model, opt, batch)   # loss_of calls the FSDP1 wrapper's forward, as the posts' code does
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
-    return {"seconds_per_step": sorted(times[1:])[len(times[1:]) // 2],
+    return {"seconds_per_step": statistics.median(times[1:]),
             "param_device": str(next(model.parameters()).device)}

@@ -92,11 +92,119 @@ def test_plan_and_dashboard():
 
 
 def test_time_adamw_step_runs_a_real_step():
-    out = O.time_adamw_step(1_000_000, repeats=1, chunk=300_000)
-    assert out["num_params"] == 1_000_000 and out["seconds"] > 0
+    before = torch.get_num_threads()
+    out = O.time_adamw_step(1_000_000, repeats=2, chunk=300_000, threads=1)
+    assert out["num_params"] == 1_000_000 and out["seconds"] > 0 and out["threads"] == 1
     assert math.isclose(out["seconds_per_param"], out["seconds"] / 1_000_000)
+    assert 0 < out["cpu_seconds"] and math.isclose(out["cpu_seconds_per_param"], out["cpu_seconds"] / 1_000_000)
+    assert torch.get_num_threads() == before                      # the caller's setting is restored
+    assert O.time_adamw_step(200_000, repeats=1, fused=True)["fused"]
+    assert O.cpu_cores() >= 1
+    with pytest.raises(ValueError):
+        O.time_adamw_step(0)
+
+
+def test_rank_adamw_extrapolation_takes_the_slower_bound():
+    cores = O.rank_adamw_seconds_per_param(12e-9, 12, 410e9, 8)
+    assert cores["threads_bound"] == pytest.approx(1e-9) and cores["limited_by"] == "cores"
+    assert cores["memory_bound"] == pytest.approx(28 * 8 / 410e9)
+    memory = O.rank_adamw_seconds_per_param(3e-9, 12, 410e9, 8)
+    assert memory["limited_by"] == "memory bandwidth"
+    assert memory["seconds_per_param"] == memory["memory_bound"] > memory["threads_bound"]
+    loop = O.rank_adamw_seconds_per_param(3e-9, 12, 410e9, 8, O.ADAMW_FOR_LOOP_BYTES_PER_PARAM)
+    assert loop["memory_bound"] == pytest.approx(80 * 8 / 410e9) and loop["memory_bound"] > memory["memory_bound"]
+    with pytest.raises(ValueError):
+        O.rank_adamw_seconds_per_param(1e-9, 0, 410e9, 8)
+
+
+def test_cost_figure_marks_each_speed_on_its_curve():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speeds = {"slow": 20e-9, "fast": 1e-9}      # the slow one is beyond the old fixed 10 ns axis
+    tables = {k: O.cost_table(7.72e9, 8, v) for k, v in speeds.items()}
+    fig = plt.figure()
+    O.draw_cost(fig, tables, 7.72e9, 8, speeds)
+    ax = fig.axes[1]
+    curves = [line for line in ax.lines if len(line.get_xdata()) > 2]
+    points = [line for line in ax.lines if len(line.get_xdata()) == 1]
+    assert len(curves) == len(O.GPUS) and len(points) == len(O.GPUS) * len(speeds)
+    for point in points:
+        x, y = point.get_xdata()[0], point.get_ydata()[0]
+        on = [c for c in curves if c.get_color() == point.get_color()][0]
+        xs, ys = list(on.get_xdata()), list(on.get_ydata())
+        assert x in xs and ys[xs.index(x)] == pytest.approx(y)
+    plt.close(fig)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_host_bandwidth_needs_a_gpu():
     assert O.measure_host_bandwidth() is None
+
+
+# --- lesson 03's module: verdicts computed from numbers, the exercise's checker ---------------------------------
+
+def test_lesson03_verdicts_follow_the_numbers():
+    from fsdplab.lessons import cpu_offload as L
+
+    assert L.link_verdict({"A": 19.0, "B": 63.0}).startswith("WRONG")
+    assert L.link_verdict({"A": 9.0, "B": 11.0}).startswith("RIGHT")
+    assert L.link_verdict({"A": 9.0, "B": 63.0}).startswith("PARTLY")
+    assert L.slowdown_verdict(1.8, 63.0).startswith("WRONG")
+    assert L.slowdown_verdict(1.35, 20.0).startswith("PARTLY")
+    assert L.slowdown_verdict(1.1, 1.4).startswith("RIGHT")
+    tables = {"a": O.cost_table(7.72e9, 8, 2e-9), "b": O.cost_table(7.72e9, 8, 20e-9)}
+    low, high = L.slowdown_range(tables)
+    assert low == tables["a"]["A10"]["slowdown"] and high == tables["b"]["H100-SXM"]["slowdown"]
+    options = L.fsdp_offload_options()
+    assert "CPUOffloadPolicy" in options and "CPUOffload" in options and not L.has_disk_tier(options)
+    assert L.nvme_verdict(options).startswith("WRONG")
+    assert L.has_disk_tier({"NVMeOffloadPolicy": ["nvme_path"]})
+    table = L.markdown_table({"#7 x": "WRONG: because", "#15 y": "PARTLY: only with"})
+    assert "| #7 x | **WRONG** | because |" in table
+
+
+def test_lesson03_claim15_label():
+    from types import SimpleNamespace
+
+    from fsdplab.lessons import cpu_offload as L
+
+    def reports(plain, ckpt):
+        return {"no checkpointing": SimpleNamespace(peak_bytes=plain * GIB),
+                "checkpointing": SimpleNamespace(peak_bytes=ckpt * GIB)}
+
+    assert L.claim15_label(reports(28.4, 20.8), 24) == "PARTLY"
+    assert L.claim15_label(reports(20.0, 15.0), 24) == "RIGHT"
+    assert L.claim15_label(reports(40.0, 30.0), 24) == "WRONG"
+
+
+def test_lesson03_host_gib_checker_right_and_wrong():
+    from fsdplab.exercises import check, keys
+    from fsdplab.formula import formula
+    from fsdplab.lessons import cpu_offload as L
+    from fsdplab.models import PARAM_COUNTS
+
+    assert "03-host-gib" in keys()
+    offloaded = L.exact_settings()[2]
+    assert offloaded.cpu_offload and offloaded.activation_checkpointing and offloaded.lora_rank is None
+    # the exact estimate's resident states, which the lesson passes as `measured`, agree with the formula's
+    measured = sum(formula(offloaded).resident.values()) / GIB
+    params, ranks = PARAM_COUNTS[offloaded.model_name], offloaded.world_size
+    assert check("03-host-gib", 16 * params / ranks / GIB, measured=measured)     # fp32 param + grad + 2 moments
+    wrong = check("03-host-gib", 12 * params / ranks / GIB, measured=measured)    # forgot the gradients
+    assert not wrong and "Hint" in wrong.message
+    assert not check("03-host-gib", ..., measured=measured)
+
+
+def test_lesson03_quick_reports_keep_the_verdict():
+    from fsdplab.lessons import cpu_offload as L
+    from fsdplab.lessons.full_finetune import full_finetune_verdict
+
+    reports = L.exact_reports(exact=False)              # the formula: what a quick run (exact_estimates False) uses
+    assert list(reports) == list(L.EXACT_LABELS)
+    plain, ckpt, off = reports.values()
+    assert off.peak_bytes < ckpt.peak_bytes < plain.peak_bytes
+    assert dict(off.resident) == dict(ckpt.resident) and L.host_bytes(reports) == sum(ckpt.resident.values())
+    assert "only with activation checkpointing" in full_finetune_verdict([plain, ckpt])

@@ -1,0 +1,67 @@
+"""fsdplab.lessons.scaling_out (lesson 07): the node layout at any world size, placements in words, the verdicts
+of claim 19 and the exercise's checker, right and wrong answers against a count on live ranks."""
+
+import pytest
+
+from fsdplab import comms
+from fsdplab.exercises import check, keys
+from fsdplab.lessons import scaling_out as S
+from fsdplab.models import TinyConfig
+
+CFG = TinyConfig(dim=32, num_layers=2)
+
+
+@pytest.mark.parametrize("world_size, ranks_per_node, nodes, per_node, noted", [
+    (4, 2, 2, 2, False), (8, 2, 4, 2, False), (6, 2, 3, 2, False),
+    (2, 2, 2, 1, True), (3, 2, 3, 1, True), (6, 4, 2, 3, True), (1, 2, 1, 1, True)])
+def test_node_layout_adapts_to_any_world_size(world_size, ranks_per_node, nodes, per_node, noted):
+    layout = S.node_layout(world_size, ranks_per_node)
+    assert (layout["num_nodes"], layout["ranks_per_node"]) == (nodes, per_node)
+    assert bool(layout["note"]) == noted
+    assert layout["num_nodes"] * layout["ranks_per_node"] == world_size
+
+
+def test_node_layout_rejects_nonsense():
+    with pytest.raises(ValueError, match=">= 1"):
+        S.node_layout(0, 2)
+
+
+def test_placements_and_rows_in_words():
+    assert "strided shard of dim 0" in S.describe_placement("_S(0, 2)", "dp")
+    assert "split factor 2" in S.describe_placement("_S(0, 2)", "dp")
+    assert S.describe_placement("S(1)", "tp") == "tp: shard of dim 1"
+    assert S.describe_placement("R", "dp") == "dp: replicated"
+    assert S.row_ranges([5, 0, 1, 2, 6, 9]) == "0-2, 5-6, 9" and S.row_ranges([]) == "none"
+
+
+def test_claim19_verdicts_are_computed():
+    backends = S.process_group_backends()
+    assert "gloo" in backends and "undefined" not in backends and "fake" not in backends
+    assert S.ucx_verdict(backends).startswith("WRONG")
+    assert S.ucx_verdict(backends + ["ucx"]).startswith("RIGHT")
+    wrong = S.ethernet_verdict((10, 25), (1.25, 3.125))
+    assert wrong.startswith("WRONG") and "8x too high" in wrong
+    assert S.ethernet_verdict((1.25, 3.125), (1.25, 3.125)).startswith("RIGHT")
+
+
+def test_tp_fsdp_rows_tile_the_weight_on_two_nodes(cluster):
+    # 2 ranks as 2 nodes x 1 rank: what lesson 07 runs at world size 2
+    outs = cluster.run(S.count_tp_fsdp_step, cfg=CFG, mesh_shape=(2, 1), quiet=True)
+    reference = S.reference_losses(CFG, world_size_dp=2)
+    for r, out in enumerate(outs):
+        assert out["losses"] == pytest.approx([step[r] for step in reference], abs=1e-4)
+    rows = sorted(row for out in outs for row in out["mlp_weight_rows"])
+    assert rows == list(range(outs[0]["mlp_weight_shape"][0]))
+
+
+def test_hsdp_inter_checker_right_and_wrong(cluster):
+    assert "07-hsdp-inter" in keys()
+    hsdp = cluster.run(comms.count_train_step, "full_shard", cfg=CFG, batch_size=2,
+                       mesh=((2, 1), ("replicate", "shard")), quiet=True)
+    records = [e for o in hsdp for e in o["events"] if e["event"] == "collective"]
+    measured = comms.cross_node_bytes(records, 1)["inter"] / hsdp[0]["param_bytes"]
+    nodes = 2
+    assert check("07-hsdp-inter", 2 * (nodes - 1), measured=measured)          # 2(n-1) x P over the whole job
+    wrong = check("07-hsdp-inter", 4.5, measured=measured)                     # FULL_SHARD's figure on 2 x 2
+    assert not wrong and "Hint" in wrong.message
+    assert not check("07-hsdp-inter", ..., measured=measured)
