@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,18 +19,19 @@ NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 def lesson_paths(names=()) -> list:
     """Notebook paths for `names` (paths, or lesson stems like '01' / '01_sharding_math'); all lessons if empty."""
+    lessons = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
     if not names:
-        found = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
-        if not found:
+        if not lessons:
             raise ValueError(f"no lesson notebooks found in {NOTEBOOK_DIR}; pass notebook paths explicitly.")
-        return found
+        return lessons
     paths = []
     for name in names:
         path = Path(name)
-        if not path.exists():
-            matches = sorted(NOTEBOOK_DIR.glob(f"{name}*.ipynb"))
+        if not path.is_file():
+            matches = [p for p in lessons if p.stem.startswith(str(name).removesuffix(".ipynb"))]
             if len(matches) != 1:
-                raise ValueError(f"{name!r} is not a notebook path nor a single lesson name in {NOTEBOOK_DIR}.")
+                raise ValueError(f"{name!r} is not a notebook path nor one lesson; the lessons are: "
+                                 f"{', '.join(p.stem for p in lessons)} (a number like 02 is enough).")
             path = matches[0]
         paths.append(path)
     return paths
@@ -39,31 +44,122 @@ def _value(text: str):
         return text
 
 
-def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progress=True) -> list:
-    """Execute each notebook with papermill; returns rows of (lesson, status, seconds, detail)."""
+def declared_parameters(path) -> list:
+    """The names a lesson's cell tagged `parameters` declares, as papermill reads them."""
     import papermill as pm
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, path in enumerate(paths, 1):
-        declared = pm.inspect_notebook(str(path))
-        params = {k: v for k, v in (parameters or {}).items() if k in declared}
-        if world_size is not None and "world_size" in declared:
-            params["world_size"] = world_size
-        print(f"[{i}/{len(paths)}] {path.stem} {params or ''}", flush=True)
-        t0 = time.perf_counter()
-        status, detail = "ok", ""
+    return list(pm.inspect_notebook(str(path)))
+
+
+def warn_undeclared(paths, parameters) -> list:
+    """Warn (one line on stderr) about each parameter that no selected lesson declares; returns those names."""
+    declared = set()
+    for path in paths:
+        declared.update(declared_parameters(path))
+    unknown = [name for name in parameters if name not in declared]
+    for name in unknown:
+        print(f"fsdplab: warning: no selected lesson declares parameter {name!r}, so it is ignored "
+              f"(declared: {', '.join(sorted(declared)) or 'none'}).", file=sys.stderr)
+    return unknown
+
+
+@contextlib.contextmanager
+def _environment(**values):
+    """Set environment variables (inherited by the kernel and its ranks) for the duration of a block."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _remove_scratch(folder: Path) -> None:
+    """Remove a lesson's temporary folder once the processes that write into it are gone.
+
+    A kernel stopped after a failed cell leaves its cluster's scratch folder behind (rank logs, pid file);
+    the cluster's watcher kills the ranks within a second of the kernel's exit, so wait for them first."""
+    import psutil
+
+    pids = []
+    for pidfile in folder.glob("*/pids"):
         try:
-            pm.execute_notebook(str(path), str(out / path.name), parameters=params, cwd=str(path.parent),
-                                progress_bar=progress, kernel_name="python3")
-        except pm.PapermillExecutionError as e:
-            status = "FAILED"
-            detail = f"cell {e.exec_count} ({e.ename}: {str(e.evalue).splitlines()[0] if e.evalue else ''})"
-        except Exception as e:  # a kernel that died, a missing kernel spec, ...
-            status, detail = "FAILED", f"{type(e).__name__}: {e}"
-        rows.append((path.stem, status, time.perf_counter() - t0, detail))
-    return rows
+            pids += [int(pid) for pid in pidfile.read_text().split()]
+        except (OSError, ValueError):
+            pass
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    for _ in range(5):   # a process that just exited may still be closing a log file
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            return
+        time.sleep(0.5)
+
+
+def figures_folder(figures, out) -> Path:
+    """Where the lessons save figures: `figures` if given, else $FSDPLAB_FIGURES, else `out`/figures."""
+    return Path(figures or os.environ.get("FSDPLAB_FIGURES") or Path(out) / "figures").resolve()
+
+
+def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progress=True, figures=None) -> list:
+    """Execute each notebook with papermill into `out_dir`; returns rows of (lesson, status, seconds, detail).
+
+    The kernel runs in `out_dir` with FSDPLAB_OUT=`out_dir` (where a lesson writes the files it keeps) and
+    FSDPLAB_FIGURES=`figures` (default: the user's FSDPLAB_FIGURES, else `out_dir`/figures); its temporary
+    files go to a folder of its own that is removed when the lesson ends, failed or not. The lessons share
+    one FSDPLAB_ESTIMATE_CACHE (the user's, else a temporary one removed at the end)."""
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    figures = figures_folder(figures, out)
+    # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
+    own_cache = None if os.environ.get("FSDPLAB_ESTIMATE_CACHE") else tempfile.mkdtemp(prefix="fsdplab-estimates-")
+    try:
+        with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
+            return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
+                    for i, path in enumerate(paths, 1)]
+    finally:
+        if own_cache:
+            shutil.rmtree(own_cache, ignore_errors=True)
+
+
+def _run_one(path, counter, out, figures, world_size, parameters, progress) -> tuple:
+    """One lesson through papermill: (lesson, status, seconds, detail)."""
+    import papermill as pm
+
+    declared = declared_parameters(path)
+    params = {k: v for k, v in (parameters or {}).items() if k in declared}
+    if world_size is not None and "world_size" in declared:
+        params["world_size"] = world_size
+    print(f"{counter} {path.stem} {params or ''}", flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"fsdplab-run-{path.stem[:2]}-"))
+    t0 = time.perf_counter()
+    status, detail = "ok", ""
+    try:
+        with _environment(FSDPLAB_OUT=str(out), FSDPLAB_FIGURES=str(figures),
+                          TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch)):
+            pm.execute_notebook(str(path), str(out / path.name), parameters=params, cwd=str(out),
+                                progress_bar=progress, kernel_name="python3",
+                                # The kernel's own log goes to this terminal and holds only
+                                # housekeeping (the TCP warning, the interrupt at shutdown); the
+                                # cells' errors are in the executed notebook and the summary.
+                                extra_arguments=["--IPKernelApp.log_level=CRITICAL"])
+    except pm.PapermillExecutionError as e:
+        status = "FAILED"
+        detail = f"cell {e.exec_count} ({e.ename}: {str(e.evalue).splitlines()[0] if e.evalue else ''})"
+    except Exception as e:  # a kernel that died, a missing kernel spec, ...
+        status, detail = "FAILED", f"{type(e).__name__}: {e}"
+    finally:
+        _remove_scratch(scratch)
+    return path.stem, status, time.perf_counter() - t0, detail
 
 
 def print_table(rows) -> None:
@@ -71,6 +167,27 @@ def print_table(rows) -> None:
     print(f"\n{'lesson':<{width}}  status  seconds  detail")
     for lesson, status, seconds, detail in rows:
         print(f"{lesson:<{width}}  {status:<6}  {seconds:7.1f}  {detail}")
+
+
+def run_command(args) -> int:
+    """`fsdplab run`: execute the lessons, print a summary and where the executed notebooks are."""
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"--world-size is a number of ranks (1 or more), got {args.world_size}.")
+    paths = lesson_paths(args.notebooks)
+    params = {name: _value(value) for name, value in args.parameter}
+    warn_undeclared(paths, {**params, **({} if args.world_size is None else {"world_size": args.world_size})})
+    out = Path(args.out).resolve()
+    rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress, figures=args.figures)
+    print_table(rows)
+    failed = [r for r in rows if r[1] != "ok"]
+    if failed:
+        print(f"\n{len(failed)} lesson(s) failed; the executed notebooks in {out} show where.")
+    else:
+        print(f"\nexecuted notebooks: {out}")
+    figures = figures_folder(args.figures, out)
+    if figures.is_dir():
+        print(f"figures: {figures}")
+    return 1 if failed else 0
 
 
 def _positive_ints(flag: str, text) -> list:
@@ -151,9 +268,13 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="execute lesson notebooks with papermill and print a summary")
-    run.add_argument("notebooks", nargs="*", help="notebook paths or lesson names (default: all)")
+    run.add_argument("notebooks", nargs="*", help="lesson numbers or names (e.g. 02), or notebook paths (default: all)")
     run.add_argument("--world-size", type=int, default=None, help="ranks for lessons that take world_size")
-    run.add_argument("--out", default="runs", help="folder for the executed notebooks (default: runs)")
+    run.add_argument("--out", default="runs", help="folder for the executed notebooks and the files lessons "
+                                                   "write (default: runs)")
+    run.add_argument("--figures", metavar="DIR", default=None,
+                     help="folder for the lessons' figures (default: $FSDPLAB_FIGURES, else OUT/figures); "
+                          "`--figures docs/figures` regenerates the README's pictures")
     run.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
                      help="papermill parameter for lessons that declare it, e.g. -p steps 200")
     run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
@@ -193,14 +314,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
-            params = {name: _value(value) for name, value in args.parameter}
-            rows = run_lessons(lesson_paths(args.notebooks), args.out, args.world_size, params,
-                               progress=not args.no_progress)
-            print_table(rows)
-            failed = [r for r in rows if r[1] != "ok"]
-            if failed:
-                print(f"\n{len(failed)} lesson(s) failed; the executed notebooks in {args.out}/ show where.")
-            return 1 if failed else 0
+            return run_command(args)
         return estimate_command(args)
     except ValueError as e:  # a user mistake: one line with the fix, no traceback
         print("fsdplab: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)

@@ -35,3 +35,9 @@ def cluster(_shared_cluster):
     elif not _healthy(_shared_cluster):
         _shared_cluster.restart()
     yield _shared_cluster
+
+
+@pytest.fixture(scope="session")
+def estimate_cache(tmp_path_factory):
+    """The lesson runs of a test session share exact estimates, as the lessons of one `fsdplab run` do."""
+    return tmp_path_factory.getbasetemp() / "estimate-cache"

@@ -1,18 +1,50 @@
-"""Every lesson notebook runs end to end with papermill at its small defaults; its own asserts are the check."""
+"""Every lesson notebook runs end to end with papermill at its small defaults; its own asserts are the check.
 
+A run also must leave the repository as it was (figures and files go under the output folder) and show no
+warning the learner did not ask for."""
+
+import re
 from pathlib import Path
 
+import nbformat
 import pytest
 
-from fsdplab.cli import lesson_paths, run_lessons
+from fsdplab.cli import NOTEBOOK_DIR, lesson_paths, run_lessons
 
 LESSONS = lesson_paths()
+REPOSITORY = NOTEBOOK_DIR.parent
+# Output a learner should not see: library warnings, progress bars frozen in the saved output.
+NOISE = re.compile(r"\w*Warning\b|Unable to parse line|\b0%\|")
+
+
+def repository_files() -> dict:
+    """Path -> modification time of everything under notebooks/ and docs/."""
+    return {p: p.stat().st_mtime_ns for folder in ("notebooks", "docs")
+            for p in (REPOSITORY / folder).rglob("*") if p.is_file()}
+
+
+def noise(executed: Path) -> list:
+    """The stderr lines of an executed notebook that look like a warning or a frozen progress bar."""
+    lines = []
+    for cell in nbformat.read(executed, as_version=4).cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                lines += [line.strip() for line in out["text"].splitlines() if NOISE.search(line)]
+    return lines
+
+
 
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
-def test_lesson_runs(path: Path, tmp_path, monkeypatch):
-    # The lessons save their headline figures; keep the committed ones in docs/figures untouched.
-    monkeypatch.setenv("FSDPLAB_FIGURES", str(tmp_path / "figures"))
+def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache):
+    monkeypatch.delenv("FSDPLAB_FIGURES", raising=False)   # the runner's default: under its output folder
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(estimate_cache))
+    before = repository_files()
     [(lesson, status, seconds, detail)] = run_lessons([path], out_dir=tmp_path, progress=False)
-    assert status == "ok", f"{lesson} failed at {detail}; executed notebook: {tmp_path / path.name}"
+    executed = tmp_path / path.name
+    assert status == "ok", f"{lesson} failed at {detail}; executed notebook: {executed}"
+    after = repository_files()
+    changed = sorted(str(p.relative_to(REPOSITORY)) for p in set(before) | set(after) if before.get(p) != after.get(p))
+    assert not changed, f"running {lesson} wrote into the repository: {changed}"
+    assert not noise(executed), f"{lesson} shows warnings a learner did not ask for: {noise(executed)}"

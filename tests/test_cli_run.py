@@ -1,0 +1,193 @@
+"""`fsdplab run`: parameters reach the lessons, mistakes are named, runs write only under their output folder,
+and every lesson runs at any world size."""
+
+import ast
+import json
+import logging
+import re
+from pathlib import Path
+
+import nbformat
+import papermill as pm
+import pytest
+from papermill.translators import PythonTranslator
+
+from fsdplab.cli import declared_parameters, lesson_paths, main, run_lessons
+
+LESSONS = lesson_paths()
+IDS = [p.stem for p in LESSONS]
+
+
+def parameters_cell(path: Path) -> tuple:
+    nb = nbformat.read(path, as_version=4)
+    for index, cell in enumerate(nb.cells):
+        if "parameters" in cell.metadata.get("tags", []):
+            return index, cell
+    raise AssertionError(f"{path.name} has no cell tagged parameters")
+
+
+def executed_cells(path: Path) -> list:
+    return nbformat.read(path, as_version=4).cells
+
+
+def injected_source(path: Path) -> str:
+    [cell] = [c for c in executed_cells(path) if "injected-parameters" in c.metadata.get("tags", [])]
+    return cell.source
+
+
+def stream_text(path: Path) -> str:
+    return "".join(out.get("text", "") for cell in executed_cells(path) for out in cell.get("outputs", []))
+
+
+def tiny_notebook(path: Path, *cells: str) -> Path:
+    """A notebook with a parameters cell (`steps`, `label`) followed by `cells`."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell('steps = 3          # optimizer steps\nlabel = "tiny"     # a name')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params] + [nbformat.v4.new_code_cell(source) for source in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+# --- the notebooks as committed -------------------------------------------------------------------------
+@pytest.mark.parametrize("path", LESSONS, ids=IDS)
+def test_lesson_is_committed_clean(path):
+    """Cell ids (papermill warns without them), no outputs, one cell tagged parameters."""
+    cells = json.loads(path.read_text())["cells"]
+    assert all("id" in cell for cell in cells), f"{path.name}: cells without an id (nbformat.validator.normalize)"
+    code = [c for c in cells if c["cell_type"] == "code"]
+    assert all(not c["outputs"] and c["execution_count"] is None for c in code), f"{path.name} holds outputs"
+    assert sum("parameters" in c.get("metadata", {}).get("tags", []) for c in cells) == 1
+
+
+# --- the parameters cells -------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", LESSONS, ids=IDS)
+def test_every_parameters_line_parses(path, caplog):
+    """Each line of the cell is `name = literal  # comment`, and papermill declares exactly those names."""
+    _, cell = parameters_cell(path)
+    assigned = []
+    for line in cell.source.splitlines():
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        [node] = ast.parse(line).body
+        assert isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name), \
+            f"{path.name}: {line!r} is not `name = literal  # comment`, so papermill cannot take it as a parameter"
+        ast.literal_eval(node.value)   # papermill replaces the value: it must be a literal
+        assigned.append(node.targets[0].id)
+    with caplog.at_level(logging.WARNING, logger="papermill"):
+        declared = declared_parameters(path)
+    unparsed = [r.getMessage() for r in caplog.records if "Unable to parse" in r.getMessage()]
+    assert not unparsed, f"{path.name}: papermill cannot parse {unparsed}"
+    assert declared == assigned, f"{path.name}: papermill declares {declared}, the cell assigns {assigned}"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=IDS)
+def test_declared_parameters_are_injected_and_read(path, tmp_path):
+    """papermill injects every declared parameter after the cell, and a later cell reads each of them."""
+    index, _ = parameters_cell(path)
+    declared = pm.inspect_notebook(str(path))
+    values = {name: ast.literal_eval(info["default"]) for name, info in declared.items()}
+    pm.execute_notebook(str(path), str(tmp_path / path.name), parameters=values, prepare_only=True,
+                        kernel_name="python3", progress_bar=False)
+    injected = injected_source(tmp_path / path.name)
+    for name, value in values.items():
+        assert PythonTranslator.assign(name, PythonTranslator.translate(value)) in injected, \
+            f"{path.name}: {name} was not injected"
+    later = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells[index + 1:] if c.cell_type == "code")
+    unread = [name for name in declared if not re.search(rf"\b{re.escape(name)}\b", later)]
+    assert not unread, f"{path.name}: parameters no cell reads: {unread}"
+
+
+def test_every_lesson_takes_world_size():
+    """`fsdplab run --world-size N` reaches a lesson through its `world_size` parameter."""
+    missing = [p.stem for p in LESSONS if "world_size" not in declared_parameters(p)]
+    assert not missing, f"lessons without a world_size parameter: {missing}"
+
+
+# --- the runner ---------------------------------------------------------------------------------------
+def test_unknown_lesson_lists_the_lessons(capsys):
+    assert main(["run", "99"]) == 2
+    err = capsys.readouterr().err
+    assert "'99'" in err and all(stem in err for stem in IDS), err
+
+
+def test_run_takes_parameters_warns_and_says_where(tmp_path, capsys, monkeypatch):
+    """A successful run: declared parameters injected, an undeclared one named on stderr, the output folder
+    printed; the kernel runs in it with FSDPLAB_OUT and FSDPLAB_FIGURES set and a temporary folder of its own."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FSDPLAB_ESTIMATE_CACHE", raising=False)
+    nb = tiny_notebook(tmp_path / "tiny.ipynb",
+                       "import os, tempfile\n"
+                       "for name in ('FSDPLAB_OUT', 'FSDPLAB_FIGURES', 'FSDPLAB_ESTIMATE_CACHE'):\n"
+                       "    print(name, os.environ[name])\n"
+                       "print('cwd', os.getcwd())\nprint('tmp', tempfile.gettempdir())\nprint('steps', steps)")
+    code = main(["run", str(nb), "--out", "out", "--figures", "figs", "--no-progress",
+                 "-p", "steps", "7", "-p", "stepz", "1"])
+    captured = capsys.readouterr()
+    out = (tmp_path / "out").resolve()
+    assert code == 0, captured
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "no selected lesson declares parameter 'stepz'" in warnings[0], captured.err
+    assert f"executed notebooks: {out}" in captured.out
+
+    executed = out / "tiny.ipynb"
+    assert "steps = 7" in injected_source(executed) and "stepz" not in injected_source(executed)
+    lines = dict(line.split(" ", 1) for line in stream_text(executed).splitlines())
+    assert lines["steps"] == "7"
+    assert lines["FSDPLAB_OUT"] == lines["cwd"] == str(out)
+    assert lines["FSDPLAB_FIGURES"] == str((tmp_path / "figs").resolve())
+    assert not Path(lines["tmp"]).exists(), "the kernel's temporary folder outlived the run"
+    assert not Path(lines["FSDPLAB_ESTIMATE_CACHE"]).exists(), "the run's estimate cache outlived it"
+    assert {p.name for p in tmp_path.iterdir()} <= {"figs", "out", "tiny.ipynb"}   # nothing else written
+
+
+def test_failed_run_leaves_no_scratch(tmp_path, capsys, monkeypatch):
+    """A cell fails after starting ranks: the summary names the cell, exit code 1, and neither the kernel's
+    temporary folder nor the cluster's scratch folder is left; figures default to OUT/figures."""
+    monkeypatch.delenv("FSDPLAB_FIGURES", raising=False)
+    nb = tiny_notebook(tmp_path / "fails.ipynb",
+                       "import os, tempfile, fsdplab\ncluster = fsdplab.Cluster(1, quiet=True).start()\n"
+                       "print('tmp', tempfile.gettempdir())\nprint('cluster', cluster._workdir)\n"
+                       "print('figures', os.environ['FSDPLAB_FIGURES'])",
+                       "raise RuntimeError('planted failure')")
+    code = main(["run", str(nb), "--out", str(tmp_path / "out"), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 1, captured
+    assert re.search(r"fails\s+FAILED .*RuntimeError: planted failure", captured.out), captured.out
+    lines = dict(line.split(" ", 1) for line in stream_text(tmp_path / "out" / "fails.ipynb").splitlines())
+    assert Path(lines["cluster"]).is_relative_to(lines["tmp"])
+    assert not Path(lines["tmp"]).exists() and not Path(lines["cluster"]).exists()
+    assert lines["figures"] == str((tmp_path / "out" / "figures").resolve())
+    assert "Kernel is running over TCP" not in captured.err + captured.out
+
+
+# --- any world size -------------------------------------------------------------------------------------
+# Parameters that shorten what does not depend on the world size and that no lesson check rests on (only the
+# names a lesson declares are passed): a smaller timed AdamW step, the formula instead of exact estimates.
+SMALL = {"adam_params": 2_000_000, "exact_estimates": False}
+
+
+def _default_world_size(path: Path):
+    info = pm.inspect_notebook(str(path)).get("world_size")
+    return ast.literal_eval(info["default"]) if info else None
+
+
+WORLD_SIZE_RUNS = [(path, n) for path in LESSONS for n in (1, 2, 4) if n != _default_world_size(path)]
+
+
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path,world_size", WORLD_SIZE_RUNS,
+                         ids=[f"{p.stem[:2]}-ws{n}" for p, n in WORLD_SIZE_RUNS])
+def test_lesson_runs_at_any_world_size(path, world_size, tmp_path, monkeypatch, estimate_cache):
+    """Each lesson runs at the world sizes its default does not cover (tests/test_notebooks.py runs that)."""
+    declared = declared_parameters(path)
+    assert "world_size" in declared, f"{path.name} has no world_size parameter for --world-size to set"
+    monkeypatch.setenv("FSDPLAB_FIGURES", str(tmp_path / "figures"))
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(estimate_cache))
+    params = {k: v for k, v in SMALL.items() if k in declared}
+    [(lesson, status, seconds, detail)] = run_lessons([path], tmp_path, world_size, params, progress=False)
+    assert status == "ok", f"{lesson} at world size {world_size} failed at {detail}; see {tmp_path / path.name}"
+    assert f"world_size = {world_size}" in injected_source(tmp_path / path.name)
