@@ -211,8 +211,16 @@ def _kill_all(procs, wait_s: float = 5.0) -> list:
             proc.kill()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=wait_s)
-    return [p for p in alive if _alive(p)]
+    # Our own children are reaped here; a killed process whose parent died too is a zombie until init
+    # reaps it (seconds, on some machines), but it is dead: it runs nothing and holds no socket.
+    deadline = time.monotonic() + wait_s
+    alive = list(procs)
+    while alive:
+        psutil.wait_procs(alive, timeout=0.01)
+        alive = [p for p in alive if _alive(p)]
+        if time.monotonic() > deadline:
+            break
+    return alive
 
 
 def _cleanup(ipp_cluster, pids, reaper, workdir):
@@ -255,8 +263,12 @@ class Cluster:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 120.0,
                  collective_timeout: float = 300.0, quiet: bool = False, record_collectives: bool = True,
-                 spares: bool = True):
+                 spares: bool = True, output: str = "lines"):
         self.backend = choose_backend(world_size, backend)
+        if output not in ("lines", "tabs"):
+            raise ValueError(f"output is 'lines' (labelled lines, the default) or 'tabs' (one tab per rank in "
+                             f"JupyterLab), got {output!r}.")
+        self.output = output
         for name, value in (("record_collectives", record_collectives), ("spares", spares)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} is True or False, got {value!r}.")
@@ -613,7 +625,7 @@ class Cluster:
 
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        echo = Echo(enabled=not (quiet or self.quiet))
+        echo = Echo(enabled=not (quiet or self.quiet), view=self.output, world_size=self.world_size)
         failed_since = next_peer_check = None
         self._peer_look = {}
         try:

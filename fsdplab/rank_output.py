@@ -22,8 +22,9 @@ MAX_PENDING = 2000
 class Echo:
     """Prints each rank's new output, whole lines at a time, while a call runs."""
 
-    def __init__(self, enabled: bool, ranks=None, out=None, err=None):
+    def __init__(self, enabled: bool, ranks=None, out=None, err=None, view: str = "lines", world_size: int = 0):
         self.enabled = enabled
+        self.view, self.world_size = view, world_size  # "tabs": not built yet, shown as lines
         self.seen: dict = {}          # (rank, stream) -> characters already taken
         self.partial: dict = {}       # (rank, stream) -> unfinished last line
         self.pending: dict = {}       # stream -> rank -> [(arrival time, line)]
