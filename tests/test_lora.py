@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -138,7 +139,9 @@ def test_torchrun_script_loads_trains_and_saves_a_mergeable_adapter(tmp_path):
     assert len(saved) == 2 * 7 * config.num_hidden_layers          # A and B of 7 linears per layer
     assert all(".default" not in k for k in saved)
     assert any(("lora_B" in k) and v.abs().sum() > 0 for k, v in saved.items())  # trained, not the zero init
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out_dir)
+    with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out_dir)
     loaded = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
     assert len(loaded) == len(saved)
     merged = L.load_merged(base_dir, out_dir)
