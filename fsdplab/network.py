@@ -1,4 +1,5 @@
-"""A latency-bandwidth cost model of the links GPUs talk over, and the ring algorithm's bytes per rank.
+"""A latency-bandwidth cost model of the links GPUs talk over, the ring algorithm's bytes per rank, and this
+machine's network interfaces (which one traffic to another node leaves by, and its byte counters).
 
 Cost model: `collective_time(kind, nbytes, world_size, link)` is the ring model,
 (N-1)/N x bytes / bandwidth + (N-1) x latency, twice that for all-reduce. Bandwidths in `PRESETS` are
@@ -125,6 +126,24 @@ def step_comm_time(strategy: str, param_bytes: float, world_size: int, link, num
                         + collective_time("reduce_scatter", unit, world_size, link))
 
 
+def cross_node_step_bytes(strategy: str, param_bytes: float, num_nodes: int, ranks_per_node: int) -> float:
+    """Bytes that cross node boundaries per step, whole job, ring model, ranks numbered node by node.
+
+    "full_shard": each collective is a ring over all N = num_nodes x ranks_per_node ranks; num_nodes of its N
+    hops join two nodes and each hop carries one rank's 3(N-1)/N x P: num_nodes x 3(N-1)/N x P.
+    "hsdp": only the all-reduce of each rank's 1/ranks_per_node gradient shard leaves a node, in
+    ranks_per_node rings over num_nodes ranks whose every hop crosses: 2(num_nodes-1) x P."""
+    if num_nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"num_nodes ({num_nodes}) and ranks_per_node ({ranks_per_node}) must be >= 1.")
+    if num_nodes == 1:
+        return 0.0
+    if strategy == "full_shard":
+        return num_nodes * step_sent_bytes("full_shard", param_bytes, num_nodes * ranks_per_node)
+    if strategy == "hsdp":
+        return ranks_per_node * num_nodes * ring_sent_bytes("all_reduce", param_bytes / ranks_per_node, num_nodes)
+    raise ValueError(f"strategy must be 'full_shard' or 'hsdp', got {strategy!r}.")
+
+
 def hsdp_comm_time(param_bytes: float, num_nodes: int, gpus_per_node: int, intra, inter,
                    num_units: int = 1) -> dict:
     """Seconds per step for FULL_SHARD over every GPU (its rings cross the slow link, which sets the pace)
@@ -138,3 +157,78 @@ def hsdp_comm_time(param_bytes: float, num_nodes: int, gpus_per_node: int, intra
     inside = num_units * 3 * collective_time("all_gather", unit, gpus_per_node, intra)
     across = num_units * collective_time("all_reduce", unit / gpus_per_node, num_nodes, inter)
     return {"full_shard": flat, "hsdp": inside + across, "hsdp_intra": inside, "hsdp_inter": across}
+
+
+# --- this machine's interfaces ----------------------------------------------------------------------------------
+
+def route_address(peer: str) -> str:
+    """The local address this process would use to reach `peer` (an IP address or a hostname), as the
+    routing table picks it. Nothing is sent: connecting a UDP socket only chooses the route."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((peer, 9))
+        return sock.getsockname()[0]
+
+
+def interface_of(address: str) -> str:
+    """The name of the interface that holds `address` ("lo" for 127.0.0.1, "eth1" for a node's address)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    raise ValueError(f"no interface of this machine holds {address}: pass an address of this host "
+                     "(`ip -brief address` lists them).")
+
+
+def boundary_interface(peer: str | None = None) -> str:
+    """The interface a rank's traffic to the other nodes leaves by: GLOO_SOCKET_IFNAME when it is set (gloo
+    then uses only that one), else the interface holding the address routed to `peer` (default: MASTER_ADDR,
+    rank 0's address; 127.0.0.1 when unset, i.e. one machine)."""
+    import os
+
+    pinned = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if pinned:
+        return pinned
+    return interface_of(route_address(peer or os.environ.get("MASTER_ADDR") or "127.0.0.1"))
+
+
+def interface_bytes(name: str) -> dict:
+    """{"tx", "rx"}: bytes sent and received so far through interface `name`, headers included.
+
+    Read from /proc/net/dev (through psutil), which follows the reading process's network namespace.
+    /sys/class/net/NAME/statistics holds the same counters but follows the namespace sysfs was mounted
+    in: a process moved into a node's namespace (`nsenter --net`, a Slurm daemon started that way) sees
+    the host's interfaces there."""
+    import psutil
+
+    counters = psutil.net_io_counters(pernic=True)
+    if name not in counters:
+        raise ValueError(f"no interface {name!r} here; this process sees {sorted(counters)}.")
+    return {"tx": counters[name].bytes_sent, "rx": counters[name].bytes_recv}
+
+
+def gloo_interface_for_nodes() -> str | None:
+    """Under torchrun: the interface gloo must be pinned to (GLOO_SOCKET_IFNAME), or None when it needs none.
+
+    gloo advertises to its peers whatever this machine's hostname resolves to. Debian and Ubuntu map the
+    hostname to 127.0.1.1 in /etc/hosts: fine on one machine, but when the job spans machines the other
+    nodes then fail with "Gloo connectFullMesh failed ... remote=[127.0.x.x]" while their peers wait to the
+    timeout. So when the job spans machines (WORLD_SIZE > LOCAL_WORLD_SIZE), GLOO_SOCKET_IFNAME is unset and
+    the hostname resolves to a loopback address, the answer is the interface that reaches MASTER_ADDR."""
+    import ipaddress
+    import os
+    import socket
+
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not local or world <= local:
+        return None
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        resolved = "127.0.0.1"  # unresolvable hostname: gloo could not advertise it either
+    if not ipaddress.ip_address(resolved).is_loopback:
+        return None
+    address = route_address(os.environ.get("MASTER_ADDR") or "127.0.0.1")
+    return None if ipaddress.ip_address(address).is_loopback else interface_of(address)

@@ -65,3 +65,34 @@ def test_hsdp_inter_checker_right_and_wrong(cluster):
     wrong = check("07-hsdp-inter", 4.5, measured=measured)                     # FULL_SHARD's figure on 2 x 2
     assert not wrong and "Hint" in wrong.message
     assert not check("07-hsdp-inter", ..., measured=measured)
+
+
+def test_real_nodes_cluster_options():
+    assert S.real_nodes_cluster("none") == (0, None)
+    assert S.real_nodes_cluster("local", 2, 2) == (4, {})
+    assert S.real_nodes_cluster("slurm", 2, 1, "/etc/slurm/slurm.conf") == (
+        2, {"launcher": "slurm", "nodes": 2, "slurm_conf": "/etc/slurm/slurm.conf"})
+    assert S.real_nodes_cluster("slurm", 2, 2) == (4, {"launcher": "slurm", "nodes": 2})
+    with pytest.raises(ValueError, match="nodes_launcher must be one of"):
+        S.real_nodes_cluster("pbs")
+    with pytest.raises(ValueError, match="nodes >= 2"):
+        S.real_nodes_cluster("slurm", 1)
+
+
+def test_boundary_bytes_on_loopback(cluster):
+    # 2 local ranks as 2 "nodes" x 1: both share lo, which carries every byte between them (and the engines'
+    # own traffic), so the interface's count is a lower-bounded superset of what crossed, not equal to it
+    rows = S.measure_boundary(cluster, 2, 1, cfg=CFG, batch_size=2, steps=2)
+    by = {r["strategy"]: r for r in rows}
+    assert set(by) == {"full_shard", "hsdp"}
+    for r in rows:
+        assert r["interface"] == "lo" and r["nodes_seen"] == 1
+        assert r["counted"] == pytest.approx(r["model"])          # the count split by the ring model = the formula
+        assert r["wire"] >= r["as_run"] >= r["counted"] > 0     # lo carried at least what gloo sent
+        assert r["wire_rx"] == r["wire"]                         # loopback: every byte sent is received here
+    assert by["hsdp"]["counted"] < by["full_shard"]["counted"]
+    assert by["full_shard"]["as_run"] > by["full_shard"]["counted"]      # gloo: reduce-scatter runs as all-reduce
+    table = S.boundary_table(rows)
+    assert "FULL_SHARD" in table and "HSDP" in table
+    fig = S.draw_boundary(rows, "loopback")
+    assert len(fig.axes[0].patches) == 8

@@ -1,6 +1,8 @@
 """Lesson 07 (scaling out) only: how the lesson's ranks are split into "nodes", tensor parallelism inside a node
 + FSDP across nodes on a 2-D mesh, counted, the losses the same model reaches in one process (to check that
-TP + FSDP trains the same model), the verdicts of claim 19 computed from the lesson's numbers, and its exercise.
+TP + FSDP trains the same model), the bytes that really cross the boundary between real nodes (interface
+counters) against the lab's count and the cost model, the verdicts of claim 19 computed from the lesson's
+numbers, and its exercise.
 """
 
 from __future__ import annotations
@@ -132,6 +134,152 @@ def reference_losses(cfg=None, world_size_dp: int = 2, batch_size: int = 2, seed
         train_step(model, optimizer, batches, loss_fn=mean_over_groups)
         losses.append([x.item() for x in per_group])
     return losses
+
+
+# --- across real nodes: the bytes the network interface carried vs the count vs the cost model ----------------
+
+NODE_LAUNCHERS = ("none", "local", "slurm")
+
+NO_NODES_HELP = (
+    "To run this section across real nodes, start JupyterLab on a Slurm login node and set nodes_launcher "
+    "to slurm: the section then starts fsdplab.Cluster(world_size, "
+    "launcher='slurm', nodes=2), one or more ranks on each of two nodes, with slurm_conf naming the "
+    "cluster's slurm.conf if SLURM_CONF is not already set. nodes_launcher local runs the same code on this "
+    "machine, where the loopback interface carries every byte, inside a node or not.")
+
+
+def real_nodes_cluster(launcher: str, nodes: int = 2, ranks_per_node: int = 1, slurm_conf: str = "") -> tuple:
+    """(world_size, Cluster keywords) for the lesson's cross-node section; ("none") -> (0, None).
+
+    "slurm": `nodes` nodes through Slurm, `ranks_per_node` ranks on each; "local": the same ranks on this
+    machine (every "node" shares the loopback interface)."""
+    if launcher not in NODE_LAUNCHERS:
+        raise ValueError(f"nodes_launcher must be one of {NODE_LAUNCHERS}, got {launcher!r}.")
+    if nodes < 2 or ranks_per_node < 1:
+        raise ValueError(f"the section needs nodes >= 2 and ranks_per_node >= 1, got {nodes} and {ranks_per_node}.")
+    if launcher == "none":
+        return 0, None
+    if launcher == "local":
+        return nodes * ranks_per_node, {}
+    options = {"launcher": "slurm", "nodes": nodes}
+    if slurm_conf:
+        options["slurm_conf"] = slurm_conf
+    return nodes * ranks_per_node, options
+
+
+def wire_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2, mesh=None, steps: int = 2,
+              seed: int = 0) -> dict:
+    """On a rank: build the tiny transformer, parallelize it (`mesh`: None = FULL_SHARD over all ranks, or
+    (shape, names) for HSDP), take one warm-up step, then `steps` steps counted two ways at once: the lab's
+    `CommCounter` and the byte counters of the interface traffic to other nodes leaves by.
+
+    The counters are read after a barrier on every rank, so every rank's collectives of the counted steps
+    fall between its two readings. Returns plain data: the counter's events, the interface, this rank's
+    address on it (ranks with the same address share a node and its counters) and the tx / rx deltas."""
+    import os
+
+    import torch.distributed as dist
+
+    from .. import network
+    from ..dist import this_rank
+    from ..models import TinyConfig
+    from ..sharding import build_tiny, parallelize
+
+    cfg = cfg or TinyConfig()
+    if isinstance(mesh, tuple):
+        mesh = make_mesh(*mesh)
+    model = build_tiny(cfg, seed=seed)
+    param_bytes = 4 * sum(p.numel() for p in model.parameters())
+    model = parallelize(model, "full_shard", mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    rank = this_rank()
+    toy_step(model, optimizer, cfg, batch_size, seed + rank)
+    interface = network.boundary_interface()
+    dist.barrier()
+    before = network.interface_bytes(interface)
+    with CommCounter(mesh=mesh) as counter:
+        for step in range(steps):
+            toy_step(model, optimizer, cfg, batch_size, seed + rank + step, counter)
+    dist.barrier()
+    after = network.interface_bytes(interface)
+    address = network.route_address(os.environ.get("MASTER_ADDR") or "127.0.0.1")
+    return {"events": counter.events, "param_bytes": param_bytes, "steps": steps, "interface": interface,
+            "address": address, "tx": after["tx"] - before["tx"], "rx": after["rx"] - before["rx"],
+            "backend": dist.get_backend()}
+
+
+def boundary_bytes(outs: list, strategy: str, num_nodes: int, ranks_per_node: int) -> dict:
+    """From every rank's `wire_step`: bytes per step across the node boundary, three ways.
+
+    wire: what the nodes' interfaces sent (one reading per node: ranks with the same address share its
+    counters), headers, acknowledgements and all; counted: the lab's count of the same steps, split by the
+    ring model on the real groups (`comms.cross_node_bytes`); model: `network.cross_node_step_bytes`;
+    as_run: the count with each collective priced as the backend runs it (gloo runs a reduce-scatter as a
+    full all-reduce and keeps the slice it needs), so wire / as_run is what headers, acknowledgements and
+    the cluster's own messages add."""
+    from .. import network
+    from ..comms import cross_node_bytes
+
+    steps = outs[0]["steps"]
+    per_node = {}
+    for out in outs:
+        per_node.setdefault(out["address"], out)
+    records = [e for o in outs for e in o["events"] if e["event"] == "collective"]
+    as_run = records
+    if outs[0]["backend"] == "gloo":
+        as_run = [dict(r, sent_bytes=network.ring_sent_bytes("all_reduce", r["tensor_bytes"], r["group_size"]))
+                  if r["kind"] == "reduce_scatter" else r for r in records]
+    return {"strategy": strategy, "interface": outs[0]["interface"], "backend": outs[0]["backend"],
+            "nodes_seen": len(per_node),
+            "wire": sum(o["tx"] for o in per_node.values()) / steps,
+            "wire_rx": sum(o["rx"] for o in per_node.values()) / steps,
+            "counted": cross_node_bytes(records, ranks_per_node)["inter"] / steps,
+            "as_run": cross_node_bytes(as_run, ranks_per_node)["inter"] / steps,
+            "model": network.cross_node_step_bytes(strategy, outs[0]["param_bytes"], num_nodes, ranks_per_node),
+            "param_bytes": outs[0]["param_bytes"]}
+
+
+def measure_boundary(cluster, num_nodes: int, ranks_per_node: int, cfg=None, batch_size: int = 2,
+                     steps: int = 2) -> list:
+    """FULL_SHARD over every rank and HSDP (shard inside a node, replicate across nodes) on a started
+    cluster whose ranks are numbered node by node: one `boundary_bytes` row each."""
+    if cluster.world_size != num_nodes * ranks_per_node:
+        raise ValueError(f"the cluster has {cluster.world_size} ranks, not {num_nodes} nodes x {ranks_per_node}.")
+    meshes = {"full_shard": None, "hsdp": ((num_nodes, ranks_per_node), ("replicate", "shard"))}
+    return [boundary_bytes(cluster.run(wire_step, cfg=cfg, batch_size=batch_size, mesh=mesh, steps=steps,
+                                       quiet=True), strategy, num_nodes, ranks_per_node)
+            for strategy, mesh in meshes.items()]
+
+
+def boundary_table(rows: list) -> str:
+    """The rows as text: bytes per step across the node boundary, and the ratios wire / counted and
+    wire / as run."""
+    lines = [f"{'bytes/step':10s} {'interface':>9s} {'wire tx':>11s} {'wire rx':>11s} {'counted':>11s} "
+             f"{'cost model':>11s} {'as run':>11s} {'wire/counted':>12s} {'wire/as run':>11s}"]
+    for r in rows:
+        lines.append(f"{r['strategy'].upper():10s} {r['interface']:>9s} {r['wire']:>11,.0f} {r['wire_rx']:>11,.0f} "
+                     f"{r['counted']:>11,.0f} {r['model']:>11,.0f} {r['as_run']:>11,.0f} "
+                     f"{r['wire'] / r['counted']:>12.3f} {r['wire'] / r['as_run']:>11.3f}")
+    return "\n".join(lines)
+
+
+def draw_boundary(rows: list, title: str):
+    """Bars per strategy: bytes per step across the node boundary from the interface, the count, the model."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    kinds = [("wire", "interface counters (tx)", "tab:red"), ("as_run", "count, as the backend runs it", "tab:orange"),
+             ("counted", "CommCounter, ring model split", "tab:blue"), ("model", "cost model", "tab:gray")]
+    width = 0.8 / len(kinds)
+    for i, (key, label, color) in enumerate(kinds):
+        xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [r[key] / 1e6 for r in rows], width, label=label, color=color)
+    ax.set_xticks(range(len(rows)), [r["strategy"].upper() for r in rows])
+    ax.set_ylabel("MB per step across nodes")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 # --- claim 19's verdicts, as functions of the lesson's numbers ---------------------------------------------------

@@ -6,6 +6,11 @@ weights:
 
     torchrun --nproc_per_node 8 -m fsdplab.recipes.lora --model-path PATH --lora-rank 64 --seq-len 2048
 
+Across nodes, one torchrun per node (PATH on every node; rank 0 writes the adapter on its own node):
+
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint FIRST_NODE:29500 \\
+        --rdzv-id JOB_ID -m fsdplab.recipes.lora --model-path PATH --lora-rank 64 --seq-len 2048
+
 The model is built and sharded by `fsdplab.sharding.build_sharded` (meta device, LoRA adapters and activation
 checkpointing there, `fully_shard`, then `to_empty` and the weights); every step is `fsdplab.sharding.train_step`.
 This module adds what only LoRA fine-tuning needs: a small instruction task the tiny twin learns in seconds,
@@ -262,7 +267,8 @@ def parse_args(argv=None):
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-reshard-after-forward is SHARD_GRAD_OP")
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy (needs GPUs)")
-    p.add_argument("--output-dir", default="lora-adapter", help="where rank 0 writes the peft adapter")
+    p.add_argument("--output-dir", default="lora-adapter", help="where rank 0 writes the peft adapter (on rank 0's "
+                   "node only: across nodes without a shared filesystem, that is where it is)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
@@ -273,11 +279,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     import os
+    import socket
     import time
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ..network import gloo_interface_for_nodes
     from ..settings import GIB, TrainSetting
     from ..sharding import build_sharded, make_optimizer
 
@@ -285,9 +293,15 @@ def main(argv=None) -> dict:
     use_cuda = torch.cuda.is_available()
     if args.cpu_offload and not use_cuda:
         raise ValueError("--cpu-offload needs GPUs (FSDP2's CPUOffloadPolicy moves shards between host and GPU).")
-    # One visible block of distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*.
+    # One visible block of distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*. The GPU
+    # is this node's LOCAL_RANK-th (RANK counts across nodes).
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    elif interface := gloo_interface_for_nodes():
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"{socket.gethostname()} resolves to a loopback address, which the other nodes cannot reach: "
+                  f"gloo uses {interface} (set GLOO_SOCKET_IFNAME to choose another)", flush=True)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
@@ -327,7 +341,7 @@ def main(argv=None) -> dict:
         result = {"rank": rank, "losses": losses, "seconds": seconds, "adapter": path, "peak_gib": peaks}
         if rank == 0:
             print(f"{args.steps} steps in {seconds:.1f} s; loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-                  f"adapter saved to {path}", flush=True)
+                  f"adapter saved to {path} on {socket.gethostname()}", flush=True)
             if use_cuda:
                 print("peak memory allocated per rank (GiB): " + ", ".join(f"{p:.2f}" for p in peaks), flush=True)
         return result
