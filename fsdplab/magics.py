@@ -3,10 +3,13 @@
     %load_ext fsdplab
     %%ranks                 # all ranks, the cluster's default timeout
     %%ranks -t 30 -r 0,1    # 30 s timeout, ranks 0 and 1 only
+    %%ranks --tabs          # this cell's output in one tab per rank (JupyterLab); --lines: labelled lines
 
 Output is printed as it arrives, each line labelled `[rank N]`; a line every rank printed alike is shown
-once, as `[ranks 0-7] ...`. Variables a cell defines stay on the ranks for the next cell;
-`cluster.pull("name")` brings them to the kernel. An error names the cell's own line (`Cell In[N], line L`).
+once, as `[ranks 0-7] ...`. `--tabs` (or `Cluster(n, output="tabs")` for every call) shows one tab per
+rank instead, where the frontend renders widgets (JupyterLab); elsewhere it falls back to the lines.
+Variables a cell defines stay on the ranks for the next cell; `cluster.pull("name")` brings them to the
+kernel. An error names the cell's own line (`Cell In[N], line L`).
 
     %ranks_status           # per rank: pid, host, device, memory in use, what it runs right now
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from contextlib import contextmanager
 
 from .cluster import Cluster
 
@@ -24,6 +28,17 @@ def _parser():
     parser.add_argument("-t", "--timeout", type=float, default=None, help="seconds before RankHang")
     parser.add_argument("-r", "--ranks", default=None, help="comma-separated ranks, e.g. 0,1")
     parser.add_argument("-c", "--cluster", default=None, help="name of the Cluster variable to use")
+    view = parser.add_mutually_exclusive_group()
+    view.add_argument("--tabs", dest="view", action="store_const", const="tabs",
+                      help="this cell's output in one tab per rank (JupyterLab)")
+    view.add_argument("--lines", dest="view", action="store_const", const="lines",
+                      help="this cell's output as labelled lines, whatever the cluster's output option")
+    return parser
+
+
+def _status_parser():
+    parser = argparse.ArgumentParser(prog="%ranks_status", add_help=False)
+    parser.add_argument("-c", "--cluster", default=None, help="name of the Cluster variable to use")
     return parser
 
 
@@ -32,7 +47,8 @@ def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
     try:
         args = _parser().parse_args(shlex.split(line))
     except SystemExit:
-        raise ValueError(f"%%ranks options not understood: {line!r}. Use -t SECONDS, -r 0,1, -c NAME.") from None
+        raise ValueError(f"%%ranks options not understood: {line!r}. "
+                         "Use -t SECONDS, -r 0,1, -c NAME, --tabs or --lines.") from None
     cluster = _find_cluster(args.cluster, user_ns or {})
     ranks = None
     if args.ranks:
@@ -47,7 +63,19 @@ def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
     filename = current_cell_filename()
     # (A comment, not a blank line: IPython drops leading blank lines before it compiles a cell.)
     source = f"# %%ranks {line}\n{cell}" if filename else cell
-    cluster.execute(source, timeout=args.timeout, ranks=ranks, filename=filename)
+    with _output_view(cluster, args.view):
+        cluster.execute(source, timeout=args.timeout, ranks=ranks, filename=filename)
+
+
+@contextmanager
+def _output_view(cluster: Cluster, view: str | None):
+    """The cluster's output option set to `view` for one cell (None: left as it is)."""
+    saved = cluster.output
+    cluster.output = view or saved
+    try:
+        yield
+    finally:
+        cluster.output = saved
 
 
 def _find_cluster(name, user_ns: dict) -> Cluster:
@@ -69,7 +97,7 @@ def _find_cluster(name, user_ns: dict) -> Cluster:
 def status_magic(line: str, user_ns: dict | None = None):
     """`%ranks_status [-c NAME]`: the cluster's per-rank table (cluster.status())."""
     try:
-        args = _parser().parse_args(shlex.split(line))
+        args = _status_parser().parse_args(shlex.split(line))
     except SystemExit:
         raise ValueError(f"%ranks_status options not understood: {line!r}. Use -c NAME.") from None
     _find_cluster(args.cluster, user_ns or {}).status()
