@@ -11,16 +11,15 @@ Every function that gathers or scatters parameters is a collective: call it on E
   leaves the last complete checkpoint in charge (re-saving step N parks the old copy as `step-N.old`
   until the new one is in place). The next save clears what a failed or crashed one left behind; a full
   disk is reported as one line (`CheckpointDiskFull`). Loading works at any world size (DCP reshards).
+  The file-system side (atomic writes, fsync, clearing debris, the full-disk line) is `fsdplab.safe_files`.
 - `full_state` / `state_fingerprint` / `equal_state`: bit-exact comparisons (torch.equal, every tensor).
 - `export_pretrained`: a `save_pretrained` folder (config.json + model.safetensors) plain transformers loads.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -28,23 +27,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import safe_files as files
 from .dist import this_rank, this_world_size
+from .safe_files import CheckpointDiskFull  # noqa: F401 - callers catch it as checkpoint.CheckpointDiskFull
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_OLD_DIR = re.compile(r"^step-(\d+)\.old$")          # the previous copy of a step while it is re-saved
-# What a failed or crashed save leaves behind: unfinished step folders and temp files of `latest`
-# (`.step-N.old-PID` is the parked copy's name in earlier versions of this module).
-_DEBRIS = re.compile(r"^(step-\d+\.tmp|\.latest\.tmp-\d+|\.step-\d+\.old-\d+)$")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 LATEST = "latest"
 
 
-class CheckpointDiskFull(OSError):
-    """A save ran out of disk space (ENOSPC or a quota). Its one-line message names the folder, what was
-    cleaned up, the checkpoint still in charge and what to do; `errno` is the original error number."""
-
-
-# --- small utilities -----------------------------------------------------------------------------------
+# --- the ranks' part: every rank waits for rank 0's file work and learns how it went ---------------------
 
 def _dist():
     import torch.distributed as dist
@@ -56,60 +46,6 @@ def _barrier() -> None:
     dist = _dist()
     if dist:
         dist.barrier()
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or a folder if it is there (best effort: what is left is cleared by the next save)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def _disk_full_cause(err: BaseException) -> OSError | None:
-    """The ENOSPC/EDQUOT OSError behind `err`, if any: DCP wraps each rank's failure in a
-    CheckpointException (`.failures`: rank -> (exception, traceback)), and errors chain."""
-    seen, todo = set(), [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _DISK_FULL:
-            return e
-        todo += [e.__cause__, e.__context__]
-        todo += [pair[0] for pair in getattr(e, "failures", {}).values() if isinstance(pair, tuple)]
-    return None
-
-
-def _disk_full_ranks(err: BaseException) -> list:
-    """Ranks whose own write hit the full disk (from DCP's per-rank failures), else [this rank]."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict):
-        ranks = sorted(r for r, pair in failures.items()
-                       if isinstance(pair, tuple) and _disk_full_cause(pair[0]) is not None)
-        if ranks:
-            return ranks
-    return [this_rank()]
-
-
-def _free_bytes(folder: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(folder).free / 2**20:,.1f} MiB free there now"
-    except OSError:
-        return "free space unknown"
-
-
-def _disk_full_error(cause: OSError, what: str, folder: Path, cleaned: str, still: str) -> CheckpointDiskFull:
-    """The one line a full disk deserves: cause, where, what was cleaned up, what is safe, what to do."""
-    strerror = cause.strerror or os.strerror(cause.errno)
-    name = errno.errorcode.get(cause.errno, str(cause.errno))
-    return CheckpointDiskFull(cause.errno, f"{strerror} ({name}) while {what} in {folder} "
-                              f"({_free_bytes(folder)}); {cleaned}; {still}. Free space on that disk "
-                              f"or save to a folder on another one, then save again.")
 
 
 def _on_rank0(fn):
@@ -129,79 +65,12 @@ def _on_rank0(fn):
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None and failure is None:
             text, code = message[0]
-            if code in _DISK_FULL:   # keep the type: callers catch a full disk as such on every rank
+            if code in files.DISK_FULL:   # keep the type: callers catch a full disk as such on every rank
                 raise CheckpointDiskFull(code, f"rank 0 failed while writing the checkpoint: {text}")
             raise RuntimeError(f"rank 0 failed while writing the checkpoint: {text}")
     if failure is not None:
         raise failure
     return value
-
-
-def _fsync_dir(path: Path) -> None:
-    # A rename is durable only once the folder that holds the name is synced too.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path, data: bytes) -> Path:
-    """Write `data` to `path` so that readers see the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _remove(tmp)   # a full disk (or an interrupt) must not leave an empty temp file behind
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _atomic_save_tensors(state: dict, path: Path, metadata: dict | None = None) -> Path:
-    """safetensors when the name ends in .safetensors, else torch.save; temp name + fsync + os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            # safetensors refuses views that share memory; contiguous copies are what the file holds anyway.
-            save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp),
-                      metadata={"format": "pt", **(metadata or {})})
-        else:
-            torch.save(state, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        _remove(tmp)
-        cause = _disk_full_cause(err)
-        if cause is not None:
-            raise _disk_full_error(cause, f"writing {path.name}", path.parent, "removed the partial file",
-                                   "an older file under that name is untouched") from None
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _read_tensors(path: Path) -> dict:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 # --- full state dicts -----------------------------------------------------------------------------------
@@ -225,7 +94,7 @@ def save_full(model: nn.Module, path) -> Path | None:
     path = Path(path)
     state = full_model_state(model)
     # Every rank waits until the file is complete (nobody reads it, or exits, too early).
-    return _on_rank0(lambda: _atomic_save_tensors(state, path))
+    return _on_rank0(lambda: files.atomic_save_tensors(state, path))
 
 
 def load_full(model: nn.Module, path) -> None:
@@ -235,9 +104,9 @@ def load_full(model: nn.Module, path) -> None:
 
     path = Path(path)
     if _dist() is None:
-        model.load_state_dict(_read_tensors(path))
+        model.load_state_dict(files.read_tensors(path))
         return
-    state = _read_tensors(path) if this_rank() == 0 else {}
+    state = files.read_tensors(path) if this_rank() == 0 else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
@@ -287,11 +156,6 @@ def equal_state(a: dict, b: dict) -> list:
 
 # --- sharded checkpoints (DCP) -------------------------------------------------------------------------------
 
-def _complete(folder: Path) -> bool:
-    # DCP writes `.metadata` last, on the coordinator, after every rank has reported its shards written.
-    return folder.is_dir() and (folder / ".metadata").is_file()
-
-
 def latest_checkpoint(root) -> Path | None:
     """The newest COMPLETE checkpoint folder under `root` (None if there is none).
 
@@ -303,30 +167,17 @@ def latest_checkpoint(root) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         name = pointer.read_text().strip()
-        if _STEP_DIR.match(name):
+        if files.STEP_DIR.match(name):
             for folder in (root / name, root / f"{name}.old"):
-                if _complete(folder):
+                if files.complete(folder):
                     return folder
     complete = []
     for p in root.glob("step-*"):
-        if (m := _STEP_DIR.match(p.name)) and _complete(p):
+        if (m := files.STEP_DIR.match(p.name)) and files.complete(p):
             complete.append((int(m.group(1)), 1, p))
-        elif (m := _OLD_DIR.match(p.name)) and _complete(p) and not (root / f"step-{m.group(1)}").exists():
+        elif (m := files.OLD_DIR.match(p.name)) and files.complete(p) and not (root / f"step-{m.group(1)}").exists():
             complete.append((int(m.group(1)), 0, p))
     return max(complete)[2] if complete else None
-
-
-def _clear_debris(root: Path) -> None:
-    """Rank 0, before a save: undo what failed or crashed saves left. A `step-N.old` whose `step-N` is
-    missing (a re-save crashed between its renames) is renamed back; every other parked copy, every
-    `step-N.tmp` and every temp file of `latest` is deleted, so a save that died of a full disk does not
-    keep the disk full."""
-    for p in sorted(root.iterdir()):
-        old = _OLD_DIR.match(p.name)
-        if old and _complete(p) and not (root / f"step-{old.group(1)}").exists():
-            os.replace(p, root / f"step-{old.group(1)}")
-        elif old or _DEBRIS.match(p.name):
-            _remove(p)
 
 
 def _train_state(model, optimizer):
@@ -343,8 +194,8 @@ def _train_state(model, optimizer):
 def write_shards(model, optimizer, root, step: int) -> Path:
     """Phase 1 of `save_sharded`: every rank writes its shards into `root/step-N.tmp` (DCP). Collective.
 
-    First rank 0 clears what earlier failed or crashed saves left in `root` (see `_clear_debris`). If the
-    disk fills up, the partial `step-N.tmp` is removed and every rank raises `CheckpointDiskFull` with one
+    First rank 0 clears what earlier failed or crashed saves left in `root` (`safe_files.clear_debris`). If
+    the disk fills up, the partial `step-N.tmp` is removed and every rank raises `CheckpointDiskFull` with one
     line (which ranks ran out, where, what to do) instead of DCP's per-rank tracebacks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -356,7 +207,7 @@ def write_shards(model, optimizer, root, step: int) -> Path:
 
     def prepare():
         root.mkdir(parents=True, exist_ok=True)
-        _clear_debris(root)
+        files.clear_debris(root)
 
     _on_rank0(prepare)
     state = _train_state(model, optimizer)
@@ -369,17 +220,17 @@ def write_shards(model, optimizer, root, step: int) -> Path:
         # DCP reports a failure to every rank at the same collective step, after every rank's writes have
         # ended: rank 0 can delete the partial folder without pulling it from under a writer.
         if this_rank() == 0 or _dist() is None:
-            _remove(tmp)
-        cause = _disk_full_cause(err)
+            files.remove(tmp)
+        cause = files.disk_full_cause(err)
         if cause is None:
             raise
-        ranks = _disk_full_ranks(err)
+        ranks = files.disk_full_ranks(err)
         who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         last = latest_checkpoint(root)
         still = (f"the latest complete checkpoint is still {last.name}" if last is not None
                  else "there is no complete checkpoint in that folder yet")
-        raise _disk_full_error(cause, f"{who} wrote the shards of step {step}", root,
-                               f"removed the partial {tmp.name}", still) from None
+        raise files.disk_full_error(cause, f"{who} wrote the shards of step {step}", root,
+                                    f"removed the partial {tmp.name}", still) from None
     return tmp
 
 
@@ -395,23 +246,23 @@ def commit(root, step: int) -> Path:
     _barrier()  # every rank has returned from write_shards: all shards are on disk
 
     def rename():
-        if not _complete(tmp):
+        if not files.complete(tmp):
             raise ValueError(f"{tmp} is not a finished DCP save: call write_shards(...) on every rank first.")
         if final.exists():  # saving the same step again: park the old copy, then put the new one in place
-            _remove(parked)
+            files.remove(parked)
             os.replace(final, parked)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        files.fsync_dir(root)
         try:
-            atomic_write_bytes(root / LATEST, final.name.encode())
+            files.atomic_write_bytes(root / LATEST, final.name.encode())
         except OSError as err:
-            if err.errno not in _DISK_FULL:
+            if err.errno not in files.DISK_FULL:
                 raise
             # step-N is complete and loadable by name; only the pointer could not be moved.
-            raise _disk_full_error(err, f"pointing {LATEST} at {final.name}", root,
-                                   f"{final.name} is complete on disk",
-                                   f"{LATEST} still names the previous checkpoint") from None
-        _remove(parked)
+            raise files.disk_full_error(err, f"pointing {LATEST} at {final.name}", root,
+                                        f"{final.name} is complete on disk",
+                                        f"{LATEST} still names the previous checkpoint") from None
+        files.remove(parked)
 
     _on_rank0(rename)
     return final
@@ -493,11 +344,11 @@ def export_pretrained(model: nn.Module, path, config=None) -> Path | None:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         config.save_pretrained(tmp)
-        _atomic_save_tensors(state, tmp / "model.safetensors")
+        files.atomic_save_tensors(state, tmp / "model.safetensors")
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        files.fsync_dir(path.parent)
         return path
 
     return _on_rank0(write)

@@ -1,4 +1,5 @@
-"""CPU offload: what it moves, what it costs, and a step-time model to decide when it is worth it.
+"""CPU offload: what it moves, what it costs, and a step-time model to decide when it is worth it (lesson 03's
+tables, figures and dashboard of these models are `fsdplab.lessons.cpu_offload`'s).
 
 FSDP2's `CPUOffloadPolicy` (FSDP1: `CPUOffload(offload_params=True)`) keeps each rank's *sharded*
 parameters, their gradients and the optimizer state in (pinned) host memory. Every all-gather first
@@ -275,7 +276,7 @@ def step_time(num_params: float, world_size: int, gpu_name: str = "A10", *, cpu_
             "total_overlapped": compute + max(0.0, transfer - compute) + optimizer}
 
 
-# --- which option fits (the dashboard) -------------------------------------------------------------
+# --- which option fits (lesson 03's dashboard draws it) -------------------------------------------
 
 OPTIONS = ("nothing", "offload", "more GPUs", "LoRA")
 RESERVE_GIB = 1.0   # CUDA context and allocator fragmentation, which the formula leaves out
@@ -321,130 +322,6 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
         row["fits"] = row["gpu_bytes"] <= budget
     return rows
 
-
-def draw_plan(fig, rows: dict, gpu_mem_gib: float, title: str = ""):
-    """Two panels: per-rank GPU memory against the budget, and the modelled step time by part."""
-    names = list(rows)
-    ax_mem, ax_time = fig.subplots(1, 2)
-    colors = ["tab:green" if rows[k]["fits"] else "tab:red" for k in names]
-    ax_mem.bar(names, [rows[k]["gpu_bytes"] / GIB for k in names], color=colors)
-    ax_mem.axhline(gpu_mem_gib - RESERVE_GIB, color="k", ls="--",
-                   label=f"usable: {gpu_mem_gib:g} GiB - {RESERVE_GIB:g} GiB reserve")
-    for i, k in enumerate(names):
-        if k == "more GPUs":
-            n = rows[k]["world_size"]
-            ax_mem.annotate(f"N={n}" if n else "no N fits", (i, rows[k]["gpu_bytes"] / GIB), ha="center",
-                            va="bottom", fontsize=8)
-    ax_mem.set(ylabel="per-rank GPU memory (GiB)", title="fits? (green: yes)")
-    ax_mem.legend(loc="upper right", fontsize=8)
-    bottom = [0.0] * len(names)
-    for part, color in (("compute", "tab:blue"), ("transfer", "tab:orange"), ("optimizer", "tab:purple")):
-        vals = [rows[k]["step"][part] for k in names]
-        ax_time.bar(names, vals, bottom=bottom, color=color, label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax_time.set_xticks(range(len(names)), [k if rows[k]["fits"] else f"{k}\n(does not fit)" for k in names])
-    ax_time.set(ylabel="modelled step time per rank (s)", title="step time by part (copies not overlapped)")
-    ax_time.legend(fontsize=8)
-    for ax in (ax_mem, ax_time):
-        ax.tick_params(axis="x", labelsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    return rows
-
-
-def dashboard(gpu_mem_gib: int = 24, params_b: float = 7.0, world_size: int = 8, gpu_name: str = "A10",
-              cpu_adam_seconds_per_param: float = 3e-9, seq_len: int = 2048):
-    """Sliders (GPU memory, model size, world size, GPU type) -> which option fits and its modelled step time."""
-    import ipywidgets as W
-
-    from .display import Dashboard
-
-    controls = {
-        "gpu_mem_gib": W.IntSlider(value=gpu_mem_gib, min=8, max=144, step=4, description="GPU GiB"),
-        "params_b": W.FloatSlider(value=params_b, min=0.5, max=72, step=0.5, description="params (B)"),
-        "world_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=world_size, description="GPUs"),
-        "gpu_name": W.Dropdown(options=list(GPUS), value=gpu_name, description="GPU speed"),
-    }
-
-    def draw(fig, gpu_mem_gib, params_b, world_size, gpu_name):
-        rows = plan(gpu_mem_gib, params_b * 1e9, world_size, gpu_name,
-                    cpu_adam_seconds_per_param=cpu_adam_seconds_per_param, seq_len=seq_len)
-        fitting = [k for k, r in rows.items() if r["fits"]]
-        return draw_plan(fig, rows, gpu_mem_gib,
-                         title=f"{params_b:g}B params on {world_size} x {gpu_name}-speed GPUs with {gpu_mem_gib} GiB "
-                               f"(fits: {', '.join(fitting) or 'none'})")
-
-    return Dashboard(controls, draw, title="Offload, more GPUs or LoRA?", figsize=(10, 4))
-
-
-def cost_table(num_params: float, world_size: int, cpu_adam_seconds_per_param: float, seq_len: int = 2048) -> dict:
-    """Modelled step time with and without offload on each GPU of GPUS, and the slowdown factor."""
-    out = {}
-    for name in GPUS:
-        base = step_time(num_params, world_size, name, cpu_adam_seconds_per_param=cpu_adam_seconds_per_param,
-                         tokens_per_rank=seq_len)
-        off = step_time(num_params, world_size, name, cpu_offload=True, tokens_per_rank=seq_len,
-                        cpu_adam_seconds_per_param=cpu_adam_seconds_per_param)
-        out[name] = {"no offload": base, "offload": off, "slowdown": off["total"] / base["total"],
-                     "slowdown_overlapped": off["total_overlapped"] / base["total"]}
-    return out
-
-
-def draw_cost(fig, tables: dict, num_params: float, world_size: int, speeds: dict, claimed_slowdown: float = 1.3,
-              seq_len: int = 2048, title: str = "", reported=(3, 10)):
-    """Left: stacked step-time bars per GPU, without offload and with offload at each CPU AdamW speed.
-    Right: the slowdown as a function of the CPU AdamW speed, each speed of `speeds` marked on the curves,
-    against the posts' 1.3x and the `reported` range of pytorch#74588.
-
-    `speeds`: label -> CPU AdamW seconds per parameter; `tables`: label -> cost_table(...) at that speed."""
-    import numpy as np
-
-    ax_time, ax_ratio = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
-    gpus = list(next(iter(tables.values())))
-    columns = []
-    for name in gpus:
-        columns += [(name, None)] + [(name, label) for label in speeds]
-    short = {label: f"offload {i + 1}" for i, label in enumerate(speeds)}
-    labels = [f"{name}\n{'no offload' if label is None else short[label]}" for name, label in columns]
-    x = list(range(len(labels)))
-    bottom = [0.0] * len(labels)
-    first = next(iter(tables.values()))
-    for part, color, legend in (("compute", "tab:blue", "compute (fwd+bwd+recompute)"),
-                                ("transfer", "tab:orange", "host<->device copies"),
-                                ("optimizer", "tab:purple", "AdamW step (GPU / CPU)")):
-        vals = [first[name]["no offload"][part] if label is None else tables[label][name]["offload"][part]
-                for name, label in columns]
-        ax_time.bar(x, vals, bottom=bottom, color=color, label=legend)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax_time.set_ylim(0, 1.35 * max(bottom))   # headroom: the legend sits above the tallest bar
-    ax_time.set_xticks(x, labels, fontsize=7)
-    ax_time.set(ylabel="modelled step time per rank (s)",
-                title=f"{num_params / 1e9:.2f}B params, {world_size} ranks, {seq_len} tokens/rank")
-    ax_time.legend(fontsize=8, title="; ".join(f"{short[k]}: {k}" for k in speeds), title_fontsize=7)
-    lo, hi = min(speeds.values()), max(speeds.values())
-    grid = np.unique(np.concatenate([np.logspace(np.log10(lo) - 1, np.log10(hi) + 0.5, 60), list(speeds.values())]))
-    markers = ["o", "s", "^", "D"]
-    for name in gpus:
-        base = first[name]["no offload"]["total"]
-        ratio = [step_time(num_params, world_size, name, cpu_offload=True, cpu_adam_seconds_per_param=s,
-                           tokens_per_rank=seq_len)["total"] / base for s in grid]
-        line, = ax_ratio.plot(grid * 1e9, ratio, label=name)
-        for marker, (label, spp) in zip(markers, speeds.items()):
-            ax_ratio.plot([spp * 1e9], [tables[label][name]["slowdown"]], marker, color=line.get_color())
-    for marker, (label, spp) in zip(markers, speeds.items()):
-        ax_ratio.plot([], [], marker, color="gray", label=short[label])
-        ax_ratio.axvline(spp * 1e9, color="gray", ls=":", lw=1)
-    ax_ratio.axhline(claimed_slowdown, color="k", ls="--", label=f"posts: {claimed_slowdown:g}x")
-    ax_ratio.axhspan(*reported, color="tab:red", alpha=0.12, label=f"reported {reported[0]:g}-{reported[1]:g}x "
-                                                                   "(pytorch#74588)")
-    ax_ratio.set(xscale="log", yscale="log", xlabel="CPU AdamW time per parameter (ns)",
-                 ylabel="step time with offload / without (x)", title="slowdown vs host CPU speed")
-    ax_ratio.legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    return tables
 
 
 # --- a real offload run (GPU only) -----------------------------------------------------------------

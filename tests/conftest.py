@@ -2,8 +2,11 @@
 
 `cluster` hands each module the shared cluster, healthy: if an earlier module left it stopped, broken (a
 planted hang, a killed rank) or unresponsive, it is restarted first. A module that needs a cluster of its
-own (another world size, a fresh start) makes it itself.
+own (another world size, a fresh start) makes it itself; `fault_on_fresh_pair` does it for a planted fault
+that must be reported in time and recovered from.
 """
+
+import time
 
 import pytest
 
@@ -41,3 +44,24 @@ def cluster(_shared_cluster):
 def estimate_cache(tmp_path_factory):
     """The lesson runs of a test session share exact estimates, as the lessons of one `fsdplab run` do."""
     return tmp_path_factory.getbasetemp() / "estimate-cache"
+
+
+def _fault_on_a_fresh_pair(code: str, error: type, *, within: float, timeout: float) -> BaseException:
+    """Run `code` on a fresh 2-rank gloo cluster: it must raise `error` in under `within` seconds (long before
+    `timeout`, when a hang would be reported instead). Then the cluster must restart and answer again.
+    Returns the error for the caller's own checks."""
+    with fsdplab.Cluster(2, backend="gloo", quiet=True) as c:
+        t0 = time.monotonic()
+        with pytest.raises(error) as info:
+            c.execute(code, timeout=timeout)
+        elapsed = time.monotonic() - t0
+        assert elapsed < within, f"{error.__name__} after {elapsed:.1f} s, not under {within} s"
+        c.restart()
+        assert c.run(fsdplab.rank) == [0, 1]
+    return info.value
+
+
+@pytest.fixture
+def fault_on_fresh_pair():
+    """`_fault_on_a_fresh_pair` for a test to call (a fixture: test modules do not import conftest)."""
+    return _fault_on_a_fresh_pair

@@ -8,6 +8,7 @@ import torch
 
 from fsdplab.exercises import check
 from fsdplab.lessons import activation_checkpointing as A
+from fsdplab.lessons import auto_wrap as W
 
 
 @pytest.fixture(scope="module")
@@ -107,29 +108,29 @@ def test_rng_state_decides_gradients_under_dropout(cluster):
 # --- claim 11 -----------------------------------------------------------------------------------------------
 
 def test_posts_policy_call_raises_type_error():
-    assert A.posts_policy_error().startswith("TypeError")
+    assert W.posts_policy_error().startswith("TypeError")
 
 
 def test_policy_units_of_qwen7b(qwen):
-    units = A.policy_units(qwen, A.size_policy(1e7))
+    units = W.policy_units(qwen, W.size_policy(1e7))
     names = [name for name, _ in units]
     linear = [n for n in names[:-1] if isinstance(qwen.get_submodule(n), torch.nn.Linear)]
     assert len(linear) == 7 * qwen.config.num_hidden_layers + 1          # every block Linear and the LM head
     assert "model.embed_tokens" in names and names[-1] == ""
     assert sum(n for _, n in units) == sum(p.numel() for p in qwen.parameters())
-    blocks = A.block_units(qwen)
+    blocks = W.block_units(qwen)
     assert len(blocks) == qwen.config.num_hidden_layers + 1
     assert sum(n for _, n in blocks) == sum(p.numel() for p in qwen.parameters())
 
 
 def test_policy_units_match_real_fsdp1(cluster, twin):
-    result = cluster.run(A.fsdp1_unit_count, twin, 4000)[0]
+    result = cluster.run(W.fsdp1_unit_count, twin, 4000)[0]
     assert result["fsdp1_units"] == result["predicted"] > 3
 
 
 def test_smaller_units_mean_more_collectives(cluster, twin):
-    per_linear = cluster.run(A.collectives_per_step, twin, "policy", 4000)[0]
-    per_block = cluster.run(A.collectives_per_step, twin, "blocks")[0]
+    per_linear = cluster.run(W.collectives_per_step, twin, "policy", 4000)[0]
+    per_block = cluster.run(W.collectives_per_step, twin, "blocks")[0]
     assert per_linear["units"] > per_block["units"]
     assert per_linear["all_gathers"] > per_block["all_gathers"]
     assert per_linear["largest_all_gather"] < per_block["largest_all_gather"]
@@ -150,8 +151,8 @@ def test_claim_verdicts_follow_the_numbers():
     assert A.claim8_verdict(**base)[0] == "partly"
     assert A.claim8_verdict(**{**base, "rng_posts": 0.0})[0] == "right"
     assert A.claim8_verdict(**{**base, "posts_full": 1.6, "model_saving": 0.3})[0] == "wrong"
-    assert A.claim11_verdict(error="TypeError: x", units=227, block_units=33)[0] == "wrong"
-    assert A.claim11_verdict(error="", units=227, block_units=33)[0] == "right"
+    assert W.claim11_verdict(error="TypeError: x", units=227, block_units=33)[0] == "wrong"
+    assert W.claim11_verdict(error="", units=227, block_units=33)[0] == "right"
 
 
 # --- the exercise checkers ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 import fsdplab
 from fsdplab import checkpoint as ck
+from fsdplab import safe_files as files
 from fsdplab.models import TinyConfig
 
 # The rank functions below travel by value: the ranks cannot import this test module.
@@ -24,12 +25,20 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 CFG = TinyConfig(dim=32, num_layers=2, seq_len=16)
 
 
+@pytest.fixture
+def saved_step1(tmp_path):
+    """(model, optimizer) of the tiny model, saved as step 1 under tmp_path: what a later save starts from."""
+    model, opt = ck.sharded_tiny(CFG, seed=0)
+    ck.save_sharded(model, opt, tmp_path, step=1)
+    return model, opt
+
+
 # --- no ranks needed ---------------------------------------------------------------------------------
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
     target = tmp_path / "latest"
-    ck.atomic_write_bytes(target, b"step-1")
-    ck.atomic_write_bytes(target, b"step-22")
+    files.atomic_write_bytes(target, b"step-1")
+    files.atomic_write_bytes(target, b"step-22")
     assert target.read_bytes() == b"step-22"
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
 
@@ -50,9 +59,9 @@ def test_latest_checkpoint_ignores_tmp_and_unfinished(tmp_path):
     _fake_checkpoint(tmp_path, "step-30.tmp")                 # crashed before the rename
     _fake_checkpoint(tmp_path, "step-20", complete=False)     # DCP never finished
     assert ck.latest_checkpoint(tmp_path).name == "step-10"   # numeric order, not text order
-    ck.atomic_write_bytes(tmp_path / "latest", b"step-2")
+    files.atomic_write_bytes(tmp_path / "latest", b"step-2")
     assert ck.latest_checkpoint(tmp_path).name == "step-2"    # the pointer wins when it is valid
-    ck.atomic_write_bytes(tmp_path / "latest", b"step-30.tmp")
+    files.atomic_write_bytes(tmp_path / "latest", b"step-30.tmp")
     assert ck.latest_checkpoint(tmp_path).name == "step-10"   # ... and is ignored when it is not
 
 
@@ -94,9 +103,8 @@ def test_sharded_round_trip_in_one_process_keeps_optimizer(tmp_path):
         ck.train_steps(other, other_opt, CFG, 2, start_step=2, global_batch=4)
 
 
-def test_saving_the_same_step_twice_replaces_it(tmp_path):
-    model, opt = ck.sharded_tiny(CFG, seed=0)
-    ck.save_sharded(model, opt, tmp_path, step=1)
+def test_saving_the_same_step_twice_replaces_it(tmp_path, saved_step1):
+    model, opt = saved_step1
     ck.train_steps(model, opt, CFG, 1, global_batch=4)
     ck.save_sharded(model, opt, tmp_path, step=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
@@ -125,6 +133,12 @@ def _no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def _disk_full_at_step2(model, opt, root) -> ck.CheckpointDiskFull:
+    with pytest.raises(ck.CheckpointDiskFull) as err:
+        ck.save_sharded(model, opt, root, step=2)
+    return err.value
+
+
 def _full_disk_writer(transforms, stream, *args, **kwargs):
     # What DCP's writer meets on a full disk: part of a shard goes out, then the write fails.
     stream.write(b"x" * 64)
@@ -132,10 +146,10 @@ def _full_disk_writer(transforms, stream, *args, **kwargs):
 
 
 def test_atomic_write_on_a_full_disk_leaves_no_temp_file(tmp_path, monkeypatch):
-    target = ck.atomic_write_bytes(tmp_path / "latest", b"step-1")
+    target = files.atomic_write_bytes(tmp_path / "latest", b"step-1")
     monkeypatch.setattr(os, "fsync", _no_space)   # the page cache took the bytes; the disk cannot
     with pytest.raises(OSError) as err:
-        ck.atomic_write_bytes(target, b"step-2")
+        files.atomic_write_bytes(target, b"step-2")
     assert err.value.errno == errno.ENOSPC
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == ["latest"] and target.read_bytes() == b"step-1"
@@ -154,16 +168,14 @@ def test_save_full_on_a_full_disk_is_one_line_and_leaves_no_temp_file(tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_full_disk_during_a_sharded_save_is_one_line_and_the_next_save_works(tmp_path, monkeypatch):
+def test_full_disk_during_a_sharded_save_is_one_line_and_the_next_save_works(tmp_path, monkeypatch, saved_step1):
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    model, opt = ck.sharded_tiny(CFG, seed=0)
-    ck.save_sharded(model, opt, tmp_path, step=1)
+    model, opt = saved_step1
     monkeypatch.setattr(dcp_fs, "_write_item", _full_disk_writer)
-    with pytest.raises(ck.CheckpointDiskFull) as err:
-        ck.save_sharded(model, opt, tmp_path, step=2)
-    message = str(err.value)
-    assert err.value.errno == errno.ENOSPC and isinstance(err.value, OSError) and "\n" not in message
+    err = _disk_full_at_step2(model, opt, tmp_path)
+    message = str(err)
+    assert err.errno == errno.ENOSPC and isinstance(err, OSError) and "\n" not in message
     for part in ("No space left on device (ENOSPC)", "rank 0", "step 2", str(tmp_path), "removed the partial step-2.tmp",
                  "still step-1", "Free space"):
         assert part in message, (part, message)
@@ -173,19 +185,15 @@ def test_full_disk_during_a_sharded_save_is_one_line_and_the_next_save_works(tmp
     assert ck.latest_checkpoint(tmp_path).name == "step-3"
 
 
-def test_full_disk_when_moving_latest_keeps_the_previous_checkpoint_in_charge(tmp_path, monkeypatch):
-    model, opt = ck.sharded_tiny(CFG, seed=0)
-    ck.save_sharded(model, opt, tmp_path, step=1)
-    monkeypatch.setattr(ck, "atomic_write_bytes", _no_space)
-    with pytest.raises(ck.CheckpointDiskFull) as err:
-        ck.save_sharded(model, opt, tmp_path, step=2)
-    assert "\n" not in str(err.value) and "latest still names the previous checkpoint" in str(err.value)
+def test_full_disk_when_moving_latest_keeps_the_previous_checkpoint_in_charge(tmp_path, monkeypatch, saved_step1):
+    monkeypatch.setattr(files, "atomic_write_bytes", _no_space)
+    message = str(_disk_full_at_step2(*saved_step1, tmp_path))
+    assert "\n" not in message and "latest still names the previous checkpoint" in message
     assert ck.latest_checkpoint(tmp_path).name == "step-1" and (tmp_path / "step-2" / ".metadata").is_file()
 
 
-def test_the_next_save_clears_what_failed_saves_left(tmp_path):
-    model, opt = ck.sharded_tiny(CFG, seed=0)
-    ck.save_sharded(model, opt, tmp_path, step=1)
+def test_the_next_save_clears_what_failed_saves_left(tmp_path, saved_step1):
+    model, opt = saved_step1
     _fake_checkpoint(tmp_path, "step-7.tmp", complete=False)      # a save that died while writing
     _fake_checkpoint(tmp_path, "step-5.tmp")                      # ... and one that died before its commit
     _fake_checkpoint(tmp_path, ".step-1.old-4242")                # a parked copy, as earlier versions named it
@@ -199,7 +207,8 @@ class _Crash(BaseException):
 
 
 def _crash_at(patch, k: int) -> list:
-    """Make the k-th (1-based) file-system step of fsdplab.checkpoint raise _Crash; k=0 never does.
+    """Make the k-th (1-based) file-system step of a save (fsdplab.checkpoint and fsdplab.safe_files) raise
+    _Crash; k=0 never does.
     Returns the list the steps are recorded in."""
     calls = []
 
@@ -212,7 +221,7 @@ def _crash_at(patch, k: int) -> list:
         return wrapped
 
     patch.setattr(os, "replace", step("os.replace", os.replace))
-    patch.setattr(ck, "_remove", step("remove", ck._remove))
+    patch.setattr(files, "remove", step("remove", files.remove))
     patch.setattr(ck, "_barrier", step("barrier (shards written)", ck._barrier))
     return calls
 

@@ -1,4 +1,5 @@
-"""fsdplab.offload: bandwidth constants, bytes moved, the per-rank ledger, the step-time model, the dashboard."""
+"""fsdplab.offload: bandwidth constants, bytes moved, the per-rank ledger, the step-time model; lesson 03's module
+(fsdplab.lessons.cpu_offload): its cost tables, figure, dashboard, verdicts and exercise."""
 
 import math
 
@@ -7,6 +8,7 @@ import torch
 
 from fsdplab import offload as O
 from fsdplab.formula import spec_of
+from fsdplab.lessons import cpu_offload as L
 from fsdplab.settings import GIB
 
 
@@ -69,7 +71,7 @@ def test_step_time_model():
 
 
 def test_cost_table_slowdown_grows_with_gpu_speed():
-    table = O.cost_table(7.72e9, 8, cpu_adam_seconds_per_param=5e-9)
+    table = L.cost_table(7.72e9, 8, cpu_adam_seconds_per_param=5e-9)
     assert table["A10"]["slowdown"] < table["A100-80GB"]["slowdown"] < table["H100-SXM"]["slowdown"]
     assert all(row["slowdown"] > 1.3 for row in table.values())
 
@@ -83,7 +85,7 @@ def test_plan_and_dashboard():
     assert rows["more GPUs"]["gpu_bytes"] <= (80 - O.RESERVE_GIB) * GIB
     with pytest.raises(ValueError):
         O.plan(0, 7e9, 8)
-    dash = O.dashboard()
+    dash = L.dashboard()
     assert dash.result["nothing"]["fits"]
     dash.set(params_b=70.0)
     assert not dash.result["nothing"]["fits"]
@@ -124,9 +126,9 @@ def test_cost_figure_marks_each_speed_on_its_curve():
     import matplotlib.pyplot as plt
 
     speeds = {"slow": 20e-9, "fast": 1e-9}      # the slow one is beyond the old fixed 10 ns axis
-    tables = {k: O.cost_table(7.72e9, 8, v) for k, v in speeds.items()}
+    tables = {k: L.cost_table(7.72e9, 8, v) for k, v in speeds.items()}
     fig = plt.figure()
-    O.draw_cost(fig, tables, 7.72e9, 8, speeds)
+    L.draw_cost(fig, tables, 7.72e9, 8, speeds)
     ax = fig.axes[1]
     curves = [line for line in ax.lines if len(line.get_xdata()) > 2]
     points = [line for line in ax.lines if len(line.get_xdata()) == 1]
@@ -147,15 +149,13 @@ def test_host_bandwidth_needs_a_gpu():
 # --- lesson 03's module: verdicts computed from numbers, the exercise's checker ---------------------------------
 
 def test_lesson03_verdicts_follow_the_numbers():
-    from fsdplab.lessons import cpu_offload as L
-
     assert L.link_verdict({"A": 19.0, "B": 63.0}).startswith("WRONG")
     assert L.link_verdict({"A": 9.0, "B": 11.0}).startswith("RIGHT")
     assert L.link_verdict({"A": 9.0, "B": 63.0}).startswith("PARTLY")
     assert L.slowdown_verdict(1.8, 63.0).startswith("WRONG")
     assert L.slowdown_verdict(1.35, 20.0).startswith("PARTLY")
     assert L.slowdown_verdict(1.1, 1.4).startswith("RIGHT")
-    tables = {"a": O.cost_table(7.72e9, 8, 2e-9), "b": O.cost_table(7.72e9, 8, 20e-9)}
+    tables = {"a": L.cost_table(7.72e9, 8, 2e-9), "b": L.cost_table(7.72e9, 8, 20e-9)}
     low, high = L.slowdown_range(tables)
     assert low == tables["a"]["A10"]["slowdown"] and high == tables["b"]["H100-SXM"]["slowdown"]
     options = L.fsdp_offload_options()
@@ -169,8 +169,6 @@ def test_lesson03_verdicts_follow_the_numbers():
 def test_lesson03_claim15_label():
     from types import SimpleNamespace
 
-    from fsdplab.lessons import cpu_offload as L
-
     def reports(plain, ckpt):
         return {"no checkpointing": SimpleNamespace(peak_bytes=plain * GIB),
                 "checkpointing": SimpleNamespace(peak_bytes=ckpt * GIB)}
@@ -183,7 +181,6 @@ def test_lesson03_claim15_label():
 def test_lesson03_host_gib_checker_right_and_wrong():
     from fsdplab.exercises import check, keys
     from fsdplab.formula import formula
-    from fsdplab.lessons import cpu_offload as L
     from fsdplab.models import PARAM_COUNTS
 
     assert "03-host-gib" in keys()
@@ -199,7 +196,6 @@ def test_lesson03_host_gib_checker_right_and_wrong():
 
 
 def test_lesson03_quick_reports_keep_the_verdict():
-    from fsdplab.lessons import cpu_offload as L
     from fsdplab.lessons.full_finetune import full_finetune_verdict
 
     reports = L.exact_reports(exact=False)              # the formula: what a quick run (exact_estimates False) uses
