@@ -154,15 +154,10 @@ def test_hang_is_reported_with_stack_then_restart_recovers():
         assert [r[3] for r in c.run(_all_reduce_rank)] == [1.0, 1.0]
 
 
-def test_dead_rank_is_reported_with_exit_code():
-    with fsdplab.Cluster(2, backend="gloo", quiet=True) as c:
-        t0 = time.monotonic()
-        with pytest.raises(fsdplab.RankDied) as info:
-            c.execute("import os\nif rank() == 1: os._exit(7)\ndist.barrier()", timeout=60)
-        assert time.monotonic() - t0 < 10
-        assert info.value.exits == {1: 7}
-        c.restart()
-        assert c.run(lambda: fsdplab.rank()) == [0, 1]
+def test_dead_rank_is_reported_with_exit_code(fault_on_fresh_pair):
+    died = fault_on_fresh_pair("import os\nif rank() == 1: os._exit(7)\ndist.barrier()", fsdplab.RankDied,
+                               within=10, timeout=60)
+    assert died.exits == {1: 7}
 
 
 def _alive(pids):
