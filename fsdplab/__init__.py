@@ -4,12 +4,12 @@ Importing fsdplab starts nothing: no process, no CUDA, no process group.
 """
 
 from .cluster import Cluster, RankDied, RankError, RankHang
-from .dist import backend, device, mesh, print0, rank, world_size
+from .dist import backend, device, local_rank, mesh, node_mesh, node_rank, print0, rank, world_size
 
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "RankError", "RankHang", "RankDied", "rank", "world_size", "device", "mesh",
-           "print0", "backend", "load_ipython_extension"]
+           "node_mesh", "local_rank", "node_rank", "print0", "backend", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython):

@@ -4,12 +4,15 @@ Run as `python -m fsdplab._reaper KERNEL_PID WORKDIR`, before the cluster starts
 kernel is gone it kills every process started for the cluster: those listed in WORKDIR/pids and any
 process whose command line or environment names WORKDIR (ipyparallel passes its profile folder, which
 lives there, to the controller and every engine), so a kernel killed half-way through start-up leaves
-nothing behind. Then it removes WORKDIR (it holds the connection keys). Cluster.stop() kills this
-watcher on a normal shutdown.
+nothing behind, and it cancels the Slurm jobs listed in WORKDIR/slurm_jobs (ranks on other nodes).
+Then it removes WORKDIR (it holds the connection keys). Cluster.stop() kills this watcher on a normal
+shutdown.
 """
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -62,6 +65,22 @@ def _victims(workdir: str) -> list:
     return list(found.values())
 
 
+def _cancel_jobs(workdir: str) -> None:
+    try:
+        with open(os.path.join(workdir, "slurm_jobs")) as f:
+            listed = json.load(f)
+    except (OSError, ValueError):
+        return
+    env = dict(os.environ)
+    if listed.get("slurm_conf"):
+        env["SLURM_CONF"] = listed["slurm_conf"]
+    try:
+        subprocess.run(["scancel", *map(str, listed.get("jobs") or [])], env=env, timeout=30,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
 def main(kernel_pid: int, workdir: str) -> None:
     if os.path.isfile(workdir):  # an older caller passed WORKDIR/pids
         workdir = os.path.dirname(workdir)
@@ -71,6 +90,7 @@ def main(kernel_pid: int, workdir: str) -> None:
         kernel = None
     while kernel is not None and not _gone(kernel):
         time.sleep(0.5)
+    _cancel_jobs(workdir)
     # A process being launched while the kernel died appears a moment later: look a few times.
     for _ in range(3):
         for proc in _victims(workdir):

@@ -13,16 +13,18 @@ How the pieces fit:
 - fsdplab.rank_output batches and collapses what the ranks print;
 - a watcher process (fsdplab._reaper) starts before anything else and cleans up if the kernel dies;
 - one controller process (schedulers as threads), no nanny processes, and a spare set of ranks kept
-  warm where memory allows, so restart() only has to join a group.
+  warm where memory allows, so restart() only has to join a group;
+- fsdplab.waiting waits on calls and raises the faults (fsdplab.faults); fsdplab.processes knows the
+  machine's capacity and kills what was started; fsdplab.slurm runs the ranks on the nodes of a Slurm
+  cluster instead (launcher="slurm"): the kernel and the controller stay here, ranks by node and
+  index on the node, rank 0's routable address as MASTER_ADDR, faults told over the network.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import re
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,227 +32,34 @@ import threading
 import time
 import weakref
 
-from . import hang
-from .tracebacks import describe_failures, failure_text, format_frames, group_same, rank_list
+from . import hang, slurm
+from .faults import RankDied, RankError, RankHang, _running_text, _status_table
+from .processes import (_alive, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
+                        check_capacity, choose_backend, free_port, gpu_count, max_world_size)
+from .slurm import RemoteRank
+from .waiting import Waiting
 
-_POLL_S = 0.01
-# Memory one CPU rank needs before it does any work (Python, torch, gloo, ipyparallel), measured on
-# torch 2.13: about 0.3 GiB. Used to refuse a world size the machine cannot start.
-_RANK_BYTES = 350 * 2**20
-# How long ranks that still run may take after another rank failed before the kernel looks at them:
-# a rank blocked in a collective with the failed one would otherwise wait for the collective timeout.
-_FAILED_PEER_CHECK_S = 0.3
-_INTERRUPT_GRACE_S = 2.0
+__all__ = ["Cluster", "RankError", "RankHang", "RankDied", "free_port", "gpu_count", "choose_backend",
+           "max_world_size", "check_capacity"]
 
-
-class RankError(RuntimeError):
-    """One or more ranks raised.
-
-    `.errors` maps rank -> (exception name, message, traceback text); `.failures` rank -> the raw record
-    (frames included); `.waiting` rank -> what a rank still running was doing (a collective it waits in
-    for a failed rank, which leaves the group stuck)."""
-
-    def __init__(self, errors: dict, failures: dict | None = None, waiting: dict | None = None):
-        self.errors = dict(sorted(errors.items()))
-        self.failures = dict(sorted((failures or {}).items()))
-        self.waiting = dict(sorted((waiting or {}).items()))
-        if self.failures:
-            summary, blocks = describe_failures(self.failures)
-        else:
-            summary = [f"rank {r}: {name}: {msg}" for r, (name, msg, _) in self.errors.items()]
-            blocks = [f"--- rank {r} ---\n{tb.rstrip()}" for r, (_, _, tb) in self.errors.items()]
-        parts = list(summary)
-        if self.waiting:
-            parts.append("Meanwhile, " + "; ".join(self.waiting.values())
-                         + ". They wait for the failed rank(s) forever: call cluster.restart().")
-        super().__init__("\n".join(parts) + "\n\n" + "\n\n".join(blocks))
+LAUNCHERS = ("local", "slurm")
+_SLURM_ONLY = ("nodes", "gpus_per_node", "partition", "time_limit", "sbatch_args", "slurm_conf", "address")
 
 
-class RankHang(TimeoutError):
-    """A call outlived its timeout. `.ranks`: ranks that did not finish; `.stacks`: rank -> Python stack;
-    `.states`: rank -> one line on what it is doing (the collective it waits in, or finished last);
-    `.collectives`: rank -> that collective as a dict (op, seq, group_size, sizes, dtypes, done);
-    `.summary`: one line per group of ranks in the same state."""
-
-    def __init__(self, ranks: list, stacks: dict, timeout: float, states: dict | None = None,
-                 where: dict | None = None, collectives: dict | None = None):
-        self.ranks, self.stacks, self.timeout = list(ranks), dict(stacks), timeout
-        self.states = dict(sorted((states or {}).items()))
-        self.collectives = dict(sorted((collectives or {}).items()))
-        parts = [f"{rank_list(self.ranks)} did not finish within {timeout:g} s (a collective that only some "
-                 "ranks entered, or work that needs a longer timeout=). The group is stuck: call "
-                 "cluster.restart() to get a fresh one."]
-        # Ranks in the same state share one line: `ranks 1-7 finished all_gather #2 (...), now idle`.
-        same = group_same({r: line.split(" ", 2)[2] for r, line in self.states.items() if line.count(" ") >= 2})
-        same.sort(key=lambda group: not set(group[0]) & set(self.ranks))  # the stuck ranks first
-        # `.summary`: those lines alone, what a lesson prints when the stacks are not the point.
-        self.summary = "\n".join(f"{rank_list(ranks)} {rest}" for ranks, rest in same)
-        parts += [f"  {rank_list(ranks)} {rest}" for ranks, rest in same]
-        for r in self.ranks:
-            shown = (where or {}).get(r) or self.stacks.get(r, "(no stack captured)")
-            parts.append(f"\n--- rank {r} is stuck here (most recent call last) ---\n" + shown.rstrip())
-        super().__init__("\n".join(parts))
-
-
-class RankDied(RuntimeError):
-    """A rank process exited. `.exits` maps rank -> exit code (negative: killed by that signal)."""
-
-    def __init__(self, exits: dict):
-        self.exits = dict(sorted(exits.items()))
-        described = []
-        for r, code in self.exits.items():
-            if code is None:
-                described.append(f"rank {r} (exit status unknown)")
-            elif code < 0:
-                described.append(f"rank {r} (killed by signal {signal.Signals(-code).name})")
-            else:
-                described.append(f"rank {r} (exit code {code})")
-        super().__init__("rank process died: " + ", ".join(described)
-                         + ". The other ranks may be stuck in a collective: call cluster.restart().")
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def gpu_count() -> int:
-    """GPUs visible to torch, asked without creating a CUDA context in the kernel."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def choose_backend(world_size: int, backend: str = "auto") -> str:
-    """nccl when there is one GPU per rank, else gloo; raises ValueError with the fix for bad input."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}.")
-    if backend not in ("auto", "nccl", "gloo"):
-        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
-    if backend == "gloo":
-        return "gloo"
-    gpus = gpu_count()
-    if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) "
-                         f"are visible. Use world_size<={gpus}" if gpus else
-                         "backend='nccl' needs GPUs and none are visible. Use backend='gloo' (CPU ranks).")
-    return "nccl" if gpus >= world_size else "gloo"
-
-
-def max_world_size() -> int:
-    """The most ranks this machine can start: memory available now over what one idle rank needs."""
-    import psutil
-
-    return max(1, psutil.virtual_memory().available // _RANK_BYTES)
-
-
-def check_capacity(world_size: int) -> None:
-    """ValueError, before anything starts, for more ranks than the machine has memory for."""
-    most = max_world_size()
-    if world_size > most:
-        raise ValueError(
-            f"world_size={world_size} is more ranks than this machine can start: each rank process needs "
-            f"about {_RANK_BYTES / 2**30:.2f} GiB before it does any work and "
-            f"{most * _RANK_BYTES / 2**30:.1f} GiB is available. Use world_size<={most}.")
-
-
-def _check_timeout(timeout, name: str = "timeout") -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{name} is in seconds and must be > 0, got {timeout!r}. "
-                         f"Leave it out for the cluster's default, or give e.g. {name}=60.")
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_MACHINERY = re.compile(r"(ipykernel|IPython|ipyparallel|tornado|traitlets|asyncio|zmq)[/\\]|<frozen runpy>")
-
-
-def _strip_ansi(text: str) -> str:
-    return _ANSI.sub("", text)
-
-
-def _stack_of_thread(dump: str, thread_id: int) -> str:
-    """The block of a faulthandler dump that belongs to one thread, oldest call first."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump)
-    wanted = f"0x{thread_id:016x}"
-    for block in blocks:
-        head, _, body = block.partition("\n")
-        if wanted in head:
-            # faulthandler lists the newest call first; drop the engine's own event-loop frames.
-            lines = [ln.strip() for ln in body.splitlines()
-                     if ln.strip().startswith("File") and not _MACHINERY.search(ln)]
-            return "\n".join(reversed(lines))
-    return dump.strip()
-
-
-def _process_tree(pids) -> list:
-    """psutil.Process objects for `pids` and all their descendants (collected before anything is killed)."""
-    import psutil
-
-    procs = []
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            procs += [proc] + proc.children(recursive=True)
-        except psutil.Error:
-            pass
-    return procs
-
-
-def _kill_all(procs, wait_s: float = 5.0) -> list:
-    """SIGKILL each process and wait until it is gone; returns the ones still alive."""
-    import psutil
-
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    # Our own children are reaped here; a killed process whose parent died too is a zombie until init
-    # reaps it (seconds, on some machines), but it is dead: it runs nothing and holds no socket.
-    deadline = time.monotonic() + wait_s
-    alive = list(procs)
-    while alive:
-        psutil.wait_procs(alive, timeout=0.01)
-        alive = [p for p in alive if _alive(p)]
-        if time.monotonic() > deadline:
-            break
-    return alive
-
-
-def _cleanup(ipp_cluster, pids, reaper, workdir):
-    """Kill a cluster's processes, its watcher, and remove its scratch folder; safe to call twice, never
-    raises (the garbage collector and interpreter exit call it too)."""
-    try:
-        _kill_all(_process_tree(pids), wait_s=3)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        ipp_cluster.stop_cluster_sync()
-    except Exception:  # noqa: BLE001
-        pass
-    # The watcher goes last: if this process is killed half-way, it is still there to finish the job.
-    try:
-        if reaper is not None and reaper.poll() is None:
-            reaper.kill()
-            reaper.wait(5)
-    except Exception:  # noqa: BLE001
-        pass
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-class Cluster:
+class Cluster(Waiting):
     """`world_size` ranks in one process group, kept alive across notebook cells.
 
     >>> with Cluster(2) as cluster:
     ...     cluster.run(lambda: fsdplab.rank())
     [0, 1]
+
+    launcher="local" (the default): the ranks are processes on this machine. launcher="slurm": one
+    Slurm job runs them on `nodes` nodes, world_size // nodes per node, while the kernel and the
+    controller stay here (a login node). Slurm options: `nodes`, `gpus_per_node` (default: one per rank
+    under nccl), `partition`, `time_limit` (sbatch --time, e.g. "1:00:00"), `sbatch_args` (more sbatch
+    options, e.g. ["--account=proj"]), `slurm_conf` (default $SLURM_CONF), `address` (where the nodes
+    reach this machine; default what its host name resolves to). `start_timeout`: seconds the ranks
+    may take to connect (a Slurm job still pending then is cancelled, with Slurm's reason).
     """
 
     _latest = None  # weak reference to the most recently started cluster (what %%ranks uses by default)
@@ -263,8 +72,26 @@ class Cluster:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 120.0,
                  collective_timeout: float = 300.0, quiet: bool = False, record_collectives: bool = True,
-                 spares: bool = True, output: str = "lines"):
-        self.backend = choose_backend(world_size, backend)
+                 spares: bool = True, output: str = "lines", launcher: str = "local", nodes: int | None = None,
+                 gpus_per_node: int | None = None, partition: str | None = None, time_limit: str | None = None,
+                 sbatch_args: list | None = None, slurm_conf: str | None = None, address: str | None = None,
+                 start_timeout: float = 120.0):
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher is one of {', '.join(map(repr, LAUNCHERS))}, got {launcher!r}: 'local' "
+                             "runs the ranks on this machine, 'slurm' on the nodes of a Slurm cluster.")
+        self.launcher, self._slurm = launcher, None
+        given = dict(nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time_limit=time_limit,
+                     sbatch_args=sbatch_args, slurm_conf=slurm_conf, address=address)
+        if launcher == "local":
+            self.backend = choose_backend(world_size, backend)
+            extra = [k for k in _SLURM_ONLY if given[k] is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} only apply to launcher='slurm' (this is launcher='local', "
+                                 "ranks on this machine): add launcher='slurm' or leave them out.")
+        else:
+            choose_backend(world_size, "gloo")  # checks world_size
+            self._slurm, self.backend = slurm.options(world_size, backend, **{**given, "nodes": nodes or 1})
+            spares = False  # a spare set would be a second Slurm job holding nodes idle
         if output not in ("lines", "tabs"):
             raise ValueError(f"output is 'lines' (labelled lines, the default) or 'tabs' (one tab per rank in "
                              f"JupyterLab), got {output!r}.")
@@ -278,13 +105,16 @@ class Cluster:
         self.record_collectives, self.spares = record_collectives, spares
         _check_timeout(timeout)
         _check_timeout(collective_timeout, "collective_timeout")
-        if self.backend == "gloo":
+        _check_timeout(start_timeout, "start_timeout")
+        if self.backend == "gloo" and launcher == "local":
             check_capacity(world_size)
         self.world_size, self.timeout, self.collective_timeout = world_size, timeout, collective_timeout
+        self.start_timeout = start_timeout
         self.quiet = quiet
         self._ipp = self._client = self._reaper = self._finalizer = None
         self._engine_ids: list = []      # engine id of each rank, in rank order
-        self._procs: dict = {}           # rank -> psutil.Process
+        self._procs: dict = {}           # rank -> psutil.Process (RemoteRank for a rank on another node)
+        self._jobs: list = []            # Slurm job ids, for the finalizer and the watcher (updated in place)
         self._info: list = []
         self._broken: str | None = None
         self._workdir = None             # scratch folder (keys, stack dumps, ask pipes), made by start()
@@ -302,7 +132,8 @@ class Cluster:
             self._workdir = tempfile.mkdtemp(prefix="fsdplab-")
             # The watcher first: a kernel killed at any moment of start-up leaves nothing behind.
             self._start_reaper()
-            self._finalizer = weakref.finalize(self, _cleanup, None, self._known_pids, self._reaper, self._workdir)
+            self._finalizer = weakref.finalize(self, _cleanup, None, self._known_pids, self._reaper, self._workdir,
+                                               self._jobs, self._slurm_env())
             try:
                 self._start_processes()
                 self._join_group()
@@ -312,14 +143,21 @@ class Cluster:
             Cluster._latest = weakref.ref(self)
             self._start_spares(only_if_wanted=True)
             if not self.quiet:
+                where = (f", {self._slurm.nodes} node(s) x {self._slurm.per_node} (Slurm job "
+                         f"{', '.join(self._jobs)})" if self._slurm else "")
                 print(f"fsdplab: {self.world_size} rank(s) ready on {self.backend} "
-                      f"({'one GPU per rank' if self.backend == 'nccl' else f'CPU, {self._threads} thread(s) each'})"
-                      f" in {time.perf_counter() - t0:.1f} s")
+                      f"({'one GPU per rank' if self.backend == 'nccl' else f'CPU, {self._threads} thread(s) each'}"
+                      f"{where}) in {time.perf_counter() - t0:.1f} s")
             return self
 
     @property
     def _threads(self) -> int:
+        if self._slurm is not None:  # a Slurm task gets one CPU unless sbatch_args ask for more
+            return int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) if self.backend == "gloo" else 4
         return max(1, (os.cpu_count() or 1) // self.world_size) if self.backend == "gloo" else 4
+
+    def _slurm_env(self) -> dict | None:
+        return self._slurm.env if self._slurm is not None else None
 
     def _engine_env(self) -> dict:
         # torch's flight recorder keeps the last collectives of each rank for the hang explainer.
@@ -331,23 +169,43 @@ class Cluster:
         import ipyparallel as ipp
 
         env = self._engine_env()
+        # The controller registers an engine only after a heartbeat; the default 3 s period alone made
+        # start-up take 7 s instead of 2. Schedulers as threads: one controller process.
+        controller_args = ["--HeartMonitor.period=500", "--IPController.use_threads=True"]
+        where = {}
+        if self._slurm is not None:
+            # Listen where the nodes reach this machine; drop an engine after 3 s of missed heartbeats
+            # (how a rank on another node that died is noticed when its node cannot say).
+            where = dict(engines="slurm", controller_ip=self._slurm.address,
+                         controller_location=self._slurm.address)
+            controller_args.append("--HeartMonitor.max_heartmonitor_misses=6")
         self._ipp = ipp.Cluster(
             n=self.world_size, log_level=logging.ERROR, cluster_id=f"fsdplab-{os.getpid()}-{id(self)}",
             profile_dir=os.path.join(self._workdir, "profile"), shutdown_atexit=False,
-            # The controller registers an engine only after a heartbeat; the default 3 s period alone
-            # made start-up take 7 s instead of 2. Schedulers as threads: one controller process.
-            controller_args=["--HeartMonitor.period=500", "--IPController.use_threads=True"])
-        self._ipp.config.LocalEngineSetLauncher.environment = env
+            controller_args=controller_args, **where)
+        engines = self._ipp.config.LocalEngineSetLauncher
+        if self._slurm is not None:
+            engines = self._ipp.config.SlurmEngineSetLauncher
+            slurm.configure(self._ipp, self._slurm, env)
+            engines.batch_file_name = self._path("slurm_engines.sbatch")
+        else:
+            engines.environment = env
         self._ipp.config.LocalControllerLauncher.environment = env
         # No nanny process per engine: the kernel watches and signals the ranks itself.
-        self._ipp.config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
-        self._ipp.config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "fsdplab._engine"]
+        engines.engine_args = ["--IPEngine.enable_nanny=False"]
+        engines.engine_cmd = [sys.executable, "-m", "fsdplab._engine"]
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self._ipp, self._known_pids, self._reaper,
-                                           self._workdir)
+                                           self._workdir, self._jobs, self._slurm_env())
         self._ipp.start_controller_sync()
         self._write_pidfile()
-        self._ipp.start_engines_sync(self.world_size)
+        try:
+            self._ipp.start_engines_sync(self.world_size)
+        except subprocess.CalledProcessError as error:  # sbatch refused the job
+            raise RuntimeError(f"sbatch refused the job (exit code {error.returncode}; its message is "
+                               "printed above): check nodes=, partition=, time_limit= and sbatch_args=.") from None
+        self._jobs[:] = slurm.job_ids(self._ipp)
+        self._write_pidfile()
         self._client = self._ipp.connect_client_sync()
         self._engine_ids = self._wait_for_new_engines(set())
         self._seen_ids = set(self._engine_ids)
@@ -360,7 +218,7 @@ class Cluster:
         self._start_spares(only_if_wanted=False)
 
     def _start_spares(self, only_if_wanted: bool) -> None:
-        if self._ipp is None or getattr(self, "_spare_set", None) is not None:
+        if self._ipp is None or self._slurm is not None or getattr(self, "_spare_set", None) is not None:
             return
         # Idle spares cost memory: keep them only where twice the ranks fit (at a fault, where one more
         # set does: the old ranks are about to go).
@@ -375,16 +233,25 @@ class Cluster:
             self._spare_set = None
 
     def _restart_on_spares(self) -> bool:
-        """Replace the ranks by the spares started at the fault, keeping the controller; False if not possible."""
-        if self._ipp is None or self._client is None or getattr(self, "_spare_set", None) is None:
+        """Replace the ranks, keeping the controller: by the spares started at the fault, or (Slurm) by a new
+        job once the old one has left the queue; False if not possible."""
+        new_job = self._slurm is not None and bool(self._jobs)
+        if self._ipp is None or self._client is None or not (new_job or getattr(self, "_spare_set", None)):
             return False
         controller = self._controller_pid()
         if controller is None or not _alive(__import__("psutil").Process(controller)):
             return False
-        old = _process_tree(p.pid for p in self._procs.values())
-        if _kill_all(old):
-            return False
-        self._ipp.engines.pop(self._rank_set, None)
+        if new_job:
+            if slurm.cancel(self._jobs, self._slurm.env):
+                return False
+            self._ipp.engines.pop(self._rank_set, None)
+            self._spare_set = self._ipp.start_engines_sync(self.world_size)
+            self._jobs[:] = slurm.job_ids(self._ipp)
+            self._write_pidfile()
+        else:
+            if _kill_all(_process_tree(p.pid for p in self._procs.values())):
+                return False
+            self._ipp.engines.pop(self._rank_set, None)
         self._rank_set, self._spare_set = self._spare_set, None
         self._procs = {}
         self._engine_ids = self._wait_for_new_engines(self._seen_ids)
@@ -394,14 +261,23 @@ class Cluster:
         return True
 
     def _wait_for_new_engines(self, old_ids: set) -> list:
-        deadline = time.monotonic() + 120
+        t0 = time.monotonic()
+        deadline, next_look = t0 + self.start_timeout, t0 + 1.0
         while True:
             new = sorted(set(self._client.ids) - old_ids)
             if len(new) >= self.world_size:
                 return new[:self.world_size]
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.world_size} rank process(es) did not start within 120 s; see "
-                                   f"the engine logs in {self._workdir}/profile/log, or try a smaller world_size.")
+            now = time.monotonic()
+            if self._jobs and (now > next_look or now > deadline):  # a Slurm job that failed or still waits
+                next_look = now + 1.0
+                problem = slurm.start_problem(self._jobs[0], self._slurm.env, now - t0, now > deadline)
+                if problem:
+                    left = slurm.cancel(self._jobs, self._slurm.env)
+                    raise RuntimeError(problem + (f" (squeue still lists {left})" if left else ""))
+            elif now > deadline:
+                raise RuntimeError(f"{self.world_size} rank process(es) did not start within {self.start_timeout:g} "
+                                   f"s; see the engine logs in {self._workdir}/profile/log, or try a smaller "
+                                   "world_size.")
             time.sleep(0.02)
 
     def _join_group(self):
@@ -410,6 +286,9 @@ class Cluster:
         from . import dist
 
         self._client[self._engine_ids].use_cloudpickle()
+        if self._slurm is not None:
+            self._engine_ids, self._info, self._procs = slurm.join_group(self)
+            return self._joined()
         # Rank 0 binds the group's store to a loopback port the OS picks, so no port can be taken.
         port = self._client[self._engine_ids[0]].apply_async(
             dist.open_store, world_size=self.world_size, timeout_s=self.collective_timeout).get(timeout=120)
@@ -426,11 +305,15 @@ class Cluster:
         launched = {launcher.pid: launcher.process for engine_set in self._ipp.engines.values()
                     for launcher in getattr(engine_set, "launchers", {}).values()}
         self._procs = {i["rank"]: launched.get(i["pid"]) or psutil.Process(i["pid"]) for i in self._info}
+        self._joined()
+
+    def _joined(self):
         self._write_pidfile()
         # Names a %%ranks cell can use without importing anything.
         self._client[self._engine_ids].execute(
             "import torch, torch.distributed as dist, fsdplab\n"
-            "from fsdplab import rank, world_size, device, mesh, print0", block=True)
+            "from fsdplab import rank, world_size, device, mesh, print0\n"
+            "from fsdplab.dist import local_rank, node_rank, node_mesh", block=True)
         self._broken = None
 
     def _path(self, name: str) -> str:
@@ -442,7 +325,8 @@ class Cluster:
         return process.pid if process is not None else None
 
     def _all_pids(self) -> list:
-        pids = [p.pid for p in self._procs.values()]
+        """Processes on this machine (a rank on another node is not one: its Slurm job is)."""
+        pids = [p.pid for p in self._procs.values() if not isinstance(p, RemoteRank)]
         if self._ipp is not None:
             for engine_set in list(self._ipp.engines.values()):
                 pids += [launcher.pid for launcher in list(getattr(engine_set, "launchers", {}).values())]
@@ -455,6 +339,10 @@ class Cluster:
         with open(tmp, "w") as f:
             f.write("\n".join(map(str, self._known_pids)))
         os.replace(tmp, self._path("pids"))
+        if self._jobs:  # the watcher cancels these if the kernel dies
+            with open(tmp, "w") as f:
+                json.dump({"jobs": self._jobs, "slurm_conf": self._slurm.env.get("SLURM_CONF")}, f)
+            os.replace(tmp, self._path("slurm_jobs"))
 
     def _start_reaper(self):
         # ipyparallel starts its processes in their own sessions, so nothing kills them if the kernel is
@@ -471,7 +359,10 @@ class Cluster:
             self._shutdown()
 
     def _shutdown(self) -> None:
-        survivors = []
+        survivors, left = [], []
+        if self._jobs:  # first: the ranks' job; its steps stop while the controller is still there
+            left = slurm.cancel(self._jobs, self._slurm.env)
+            self._jobs[:] = left
         if self._ipp is not None or self._procs:
             # Nothing on the ranks is worth saving (a stuck rank ignores polite signals anyway), and
             # ipyparallel's graceful engine shutdown alone takes seconds.
@@ -486,9 +377,10 @@ class Cluster:
             self._finalizer()  # ipyparallel's bookkeeping, the watcher, the scratch folder
         self._client = self._ipp = self._reaper = self._finalizer = None
         self._procs, self._engine_ids, self._workdir = {}, [], None
-        if survivors:
+        if survivors or left:
             raise RuntimeError("these processes of the cluster did not die: " + ", ".join(
-                f"pid {p.pid} ({' '.join(_cmdline(p))[:80]})" for p in survivors))
+                [f"pid {p.pid} ({' '.join(_cmdline(p))[:80]})" for p in survivors]
+                + [f"Slurm job {j} (squeue still lists it)" for j in left]))
 
     def restart(self) -> "Cluster":
         """Kill the ranks (even stuck ones) and start a fresh group with the same settings."""
@@ -513,7 +405,8 @@ class Cluster:
 
     def __repr__(self):
         state = "stopped" if self._client is None else ("broken: " + self._broken if self._broken else "running")
-        return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
+        where = f", launcher='slurm', nodes={self._slurm.nodes}" if self._slurm is not None else ""
+        return f"Cluster(world_size={self.world_size}, backend={self.backend!r}{where}, {state})"
 
     # --- work ---------------------------------------------------------------------------------
     @property
@@ -592,235 +485,12 @@ class Cluster:
             rows = []
             for r in range(self.world_size):
                 state = states.get(r) or {}
-                rows.append({"rank": r, "pid": self._procs[r].pid, "host": socket.gethostname(),
+                rows.append({"rank": r, "pid": self._procs[r].pid,
+                             "host": getattr(self._procs[r], "host", None) or socket.gethostname(),
                              "device": self._info[r]["device"], "rss_bytes": state.get("rss"),
                              "cuda_allocated_bytes": state.get("cuda_allocated"),
                              "cuda_reserved_bytes": state.get("cuda_reserved"),
-                             "running": _running_text(r, state, _alive(self._procs[r]))})
+                             "running": _running_text(r, state, self._rank_alive(self._procs[r]))})
         if not quiet:
             print(_status_table(rows))
         return rows
-
-    def _ranks(self, ranks) -> list:
-        if self._client is None:
-            raise RuntimeError("the cluster is not running: call cluster.start() (or restart()) first.")
-        if self._broken:
-            raise RuntimeError(f"the cluster is unusable after {self._broken}: call cluster.restart().")
-        # A rank that died while the group was idle: say so now, not as an ipyparallel lookup error.
-        dead = {r: p for r, p in self._procs.items() if not _alive(p)}
-        if dead:
-            self._mark_broken("a rank died")
-            raise RankDied({r: self._exit_code(p) for r, p in dead.items()})
-        if ranks is None:
-            return list(range(self.world_size))
-        ranks = [ranks] if isinstance(ranks, int) else sorted(set(ranks))
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
-        if bad:
-            raise ValueError(f"ranks {bad} do not exist: this cluster has ranks 0..{self.world_size - 1}.")
-        return ranks
-
-    def _wait(self, results: dict, timeout, quiet: bool) -> list:
-        __tracebackhide__ = True  # noqa: F841
-        from .rank_output import Echo
-
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        echo = Echo(enabled=not (quiet or self.quiet), view=self.output, world_size=self.world_size)
-        failed_since = next_peer_check = None
-        self._peer_look = {}
-        try:
-            while True:
-                echo.update(results)
-                done = all(ar.ready() for ar in results.values())
-                # Checked even when every call is done: the call of a rank that died completes too,
-                # with ipyparallel's EngineError.
-                dead = {r: p for r, p in self._procs.items() if not _alive(p)}
-                if dead:
-                    self._mark_broken("a rank died")
-                    raise RankDied({r: self._exit_code(p) for r, p in dead.items()})
-                if done:
-                    break
-                now = time.monotonic()
-                if now > deadline:
-                    self._raise_hang([r for r, ar in results.items() if not ar.ready()], timeout)
-                if failed_since is None and _failures(results):
-                    failed_since = now
-                    next_peer_check = now + _FAILED_PEER_CHECK_S
-                if next_peer_check is not None and now >= next_peer_check:
-                    self._check_peers_of_failure(results)
-                    next_peer_check = now + 0.5
-                time.sleep(_POLL_S)
-        except KeyboardInterrupt:
-            self._interrupt(results)
-        finally:
-            echo.update(results, final=True)
-        failures, errors = {}, {}
-        for r, ar in results.items():
-            try:
-                value = ar.get(0)
-            except Exception as e:  # a local ipyparallel error (a RemoteError of the plumbing itself)
-                errors[r] = (getattr(e, "ename", type(e).__name__), str(getattr(e, "evalue", e)),
-                             _strip_ansi(getattr(e, "traceback", None) or repr(e)))
-                continue
-            if _is_failure(value):
-                failures[r] = value
-                errors[r] = (value.ename, value.evalue, failure_text(value))
-        if errors:
-            raise RankError(errors, failures) from None
-        return [results[r].get(0) for r in sorted(results)]
-
-    def _check_peers_of_failure(self, results: dict) -> None:
-        """A rank failed while others still run: if they wait in a collective (for it), raise now.
-
-        A rank counts as waiting when it sits in the same collective at two looks half a second apart
-        (a rank merely passing through a collective of a subgroup without the failed rank moves on)."""
-        __tracebackhide__ = True  # noqa: F841
-        pending = [r for r, ar in results.items() if not ar.ready()]
-        states = self._ask(pending)
-        now = {r: (hang.latest(s) or {}).get("seq") for r, s in states.items() if hang.in_collective(s)}
-        before, self._peer_look = getattr(self, "_peer_look", {}), now
-        blocked = {r: hang.explain(r, states[r]) for r, seq in now.items() if r in before and before[r] == seq}
-        if not blocked:
-            return
-        self._peer_look = {}
-        failures = {r: v for r, v in _failures(results).items()}
-        errors = {r: (f.ename, f.evalue, failure_text(f)) for r, f in failures.items()}
-        self._mark_broken("a rank raised while the others waited for it in a collective")
-        raise RankError(errors, failures, waiting=blocked) from None
-
-    def _raise_hang(self, stuck: list, timeout: float):
-        __tracebackhide__ = True  # noqa: F841
-        everyone = list(range(self.world_size))
-        states = self._ask(everyone)
-        lines = {r: hang.explain(r, states.get(r)) for r in everyone}
-        stacks, where = {}, {}
-        for r in stuck:
-            frames = [tuple(f) for f in (states.get(r) or {}).get("frames") or []]
-            if frames:
-                stacks[r] = format_frames(frames, indent="", collapse=False)
-                where[r] = format_frames(frames, indent="")
-        missing = [r for r in stuck if r not in stacks]
-        if missing:
-            stacks.update(self._stacks(missing))
-        self._mark_broken("a hang")
-        collectives = {r: hang.latest(states.get(r)) for r in everyone}
-        raise RankHang(stuck, stacks, timeout, lines, where, collectives) from None
-
-    def _ask(self, ranks: list) -> dict:
-        alive = [r for r in ranks if r in self._procs and _alive(self._procs[r])]
-        return hang.ask({r: self._path(f"ask-rank{r}") for r in alive}, wait_s=1.0)
-
-    def _interrupt(self, results: dict):
-        """The kernel was interrupted: interrupt the ranks still running, then raise KeyboardInterrupt."""
-        __tracebackhide__ = True  # noqa: F841
-        pending = [r for r, ar in results.items() if not ar.ready()]
-        for r in pending:
-            try:
-                self._procs[r].send_signal(signal.SIGINT)
-            except Exception:  # noqa: BLE001
-                pass
-        deadline = time.monotonic() + _INTERRUPT_GRACE_S
-        while time.monotonic() < deadline and not all(results[r].ready() for r in pending):
-            time.sleep(_POLL_S)
-        stuck = [r for r in pending if not results[r].ready()]
-        if stuck:
-            self._mark_broken("an interrupt inside a collective")
-            states = self._ask(stuck)
-            detail = "; ".join(hang.explain(r, states.get(r)) for r in stuck)
-            raise KeyboardInterrupt(f"interrupted; {rank_list(stuck)} did not stop ({detail}): "
-                                    "call cluster.restart().") from None
-        raise KeyboardInterrupt(f"interrupted {rank_list(pending)}; the group is still usable."
-                                if pending else "interrupted") from None
-
-    def _stacks(self, stuck: list) -> dict:
-        offsets = {}
-        for r in stuck:
-            path = self._path(f"stack-rank{r}.txt")
-            offsets[r] = os.path.getsize(path) if os.path.exists(path) else 0
-            try:
-                self._procs[r].send_signal(signal.SIGUSR1)
-            except Exception:  # noqa: BLE001
-                pass
-        time.sleep(0.5)
-        stacks = {}
-        for r in stuck:
-            try:
-                with open(self._path(f"stack-rank{r}.txt")) as f:
-                    f.seek(offsets[r])
-                    stacks[r] = _stack_of_thread(f.read(), self._info[r]["main_thread"])
-            except OSError:
-                stacks[r] = "(no stack captured)"
-        return stacks
-
-    def _exit_code(self, proc):
-        # ipyparallel's launcher thread reaps the engine and psutil caches the code on that Process
-        # object; waiting here as well would race it for the code.
-        # Copies: ipyparallel drops a dead engine from these tables while we look.
-        for engine_set in list(self._ipp.engines.values()) if self._ipp is not None else []:
-            for launcher in list(getattr(engine_set, "launchers", {}).values()):
-                if launcher.pid == proc.pid and getattr(launcher, "_wait_thread", None) is not None:
-                    launcher._wait_thread.join(timeout=5)
-        code = getattr(proc, "_exitcode", None)
-        if not isinstance(code, int):
-            try:
-                code = proc.wait(timeout=1)
-            except Exception:  # noqa: BLE001
-                code = None
-        return None if code is None else int(code)
-
-
-def _is_failure(value) -> bool:
-    from .dist import Failure
-
-    return isinstance(value, Failure)
-
-
-def _failures(results: dict) -> dict:
-    out = {}
-    for r, ar in results.items():
-        if ar.ready():
-            try:
-                value = ar.get(0)
-            except Exception:  # noqa: BLE001 - reported when the call ends
-                continue
-            if _is_failure(value):
-                out[r] = value
-    return out
-
-
-def _alive(proc) -> bool:
-    import psutil
-
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _cmdline(proc) -> list:
-    try:
-        return proc.cmdline()
-    except Exception:  # noqa: BLE001
-        return [str(proc)]
-
-
-def _running_text(rank: int, state: dict, alive: bool) -> str:
-    if not alive:
-        return "dead"
-    if not state:
-        return "busy (did not answer)"
-    return hang.explain(rank, state).split(" ", 2)[2]
-
-
-def _status_table(rows: list) -> str:
-    def gib(n):
-        return "-" if n is None else f"{n / 2**30:.2f}"
-
-    lines = [f"{'rank':>4} {'pid':>7} {'host':<14} {'device':<7} {'RSS GiB':>7} {'CUDA alloc/res GiB':>18}  now"]
-    for row in rows:
-        cuda = ("-" if row["cuda_allocated_bytes"] is None else
-                f"{gib(row['cuda_allocated_bytes'])}/{gib(row['cuda_reserved_bytes'])}")
-        lines.append(f"{row['rank']:>4} {row['pid']:>7} {row['host'][:14]:<14} {row['device']:<7} "
-                     f"{gib(row['rss_bytes']):>7} {cuda:>18}  {row['running']}")
-    return "\n".join(lines)
-

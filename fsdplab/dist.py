@@ -54,6 +54,29 @@ def backend() -> str:
     return _require_rank("backend")["backend"]
 
 
+def local_rank() -> int:
+    """This rank's index on its node (its GPU under nccl)."""
+    return _require_rank("local_rank")["local_rank"]
+
+
+def node_rank() -> int:
+    """Index of this rank's node (0 on a one-machine cluster)."""
+    return _require_rank("node_rank")["node_rank"]
+
+
+def node_mesh():
+    """The 2-D `DeviceMesh` (node x local), dims named ("node", "local"): HSDP replicates over "node" and
+    shards over "local". Every rank must call it (it creates process groups); built once, then cached."""
+    state = _require_rank("node_mesh")
+    if state.get("node_mesh") is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = "cuda" if state["backend"] == "nccl" else "cpu"
+        state["node_mesh"] = init_device_mesh(device_type, (state["nodes"], state["local_world_size"]),
+                                              mesh_dim_names=("node", "local"))
+    return state["node_mesh"]
+
+
 def this_rank() -> int:
     """This process's rank in the default process group, or 0 outside one (a notebook kernel, one process)."""
     import torch.distributed as dist
@@ -85,11 +108,43 @@ def loopback_interface() -> str:
     return "lo"
 
 
-def open_store(*, world_size: int, timeout_s: float) -> int:
-    """On rank 0, before setup(): the group's TCPStore on a loopback socket; returns its port.
+def address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP socket only picks a route)."""
+    import socket
 
-    The socket is bound here, to 127.0.0.1 with a port the OS picks, and handed to the store: nothing
-    listens on another interface and no chosen port can be taken by someone else in between."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def routable_address(toward: str) -> str:
+    """Where the other nodes reach this rank: what the host name resolves to, unless that is a loopback
+    address (Debian maps it to 127.0.1.1); then the address on the route to `toward` (the controller)."""
+    import socket
+
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        resolved = "127.0.0.1"
+    return resolved if not resolved.startswith("127.") else address_toward(toward)
+
+
+def interface_of(address: str) -> str | None:
+    """Name of the network interface that holds `address`."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+def open_store(*, world_size: int, timeout_s: float, host: str = "127.0.0.1") -> int:
+    """On rank 0, before setup(): the group's TCPStore on a socket bound to `host`; returns its port.
+
+    The socket is bound here, to `host` (loopback when every rank is on this machine, else rank 0's
+    routable address) with a port the OS picks, and handed to the store: nothing listens on another
+    interface and no chosen port can be taken by someone else in between."""
     import socket
 
     import torch.distributed as dist
@@ -97,11 +152,11 @@ def open_store(*, world_size: int, timeout_s: float) -> int:
     timeout = datetime.timedelta(seconds=timeout_s)
     for use_libuv in (True, False):  # some torch versions take a listening socket only without libuv
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         sock.listen(128)
         port = sock.getsockname()[1]
         try:
-            _STATE["store"] = dist.TCPStore("127.0.0.1", port, world_size, True, wait_for_workers=False,
+            _STATE["store"] = dist.TCPStore(host, port, world_size, True, wait_for_workers=False,
                                             timeout=timeout, master_listen_fd=sock.detach(), use_libuv=use_libuv)
             break
         except (RuntimeError, TypeError, ValueError):
@@ -111,25 +166,40 @@ def open_store(*, world_size: int, timeout_s: float) -> int:
 
 
 def setup(*, rank: int, world_size: int, master_port: int, backend: str, collective_timeout_s: float,
-          num_threads: int, stack_file: str, sys_path: list | None = None, ask_file: str | None = None) -> dict:
-    """Join the process group as `rank`. Runs once on each rank, all ranks at the same time."""
+          num_threads: int, stack_file: str | None, sys_path: list | None = None, ask_file: str | None = None,
+          master_addr: str = "127.0.0.1", local_rank: int | None = None, local_world_size: int | None = None,
+          node_rank: int = 0, nodes: int = 1, ask_token: str | None = None) -> dict:
+    """Join the process group as `rank`. Runs once on each rank, all ranks at the same time.
+
+    On one machine (the defaults) every address is loopback and LOCAL_RANK is the rank. Across nodes
+    the launcher gives rank 0's routable address as `master_addr`, the rank's place on its node, and an
+    `ask_token`: the answering thread then listens on TCP (no shared filesystem for the ask pipe)."""
     import sys
 
     # Functions from the kernel's own modules (next to the notebook, a test folder) are pickled by
     # reference: the ranks must be able to import what the kernel can.
     sys.path[:0] = [p for p in (sys_path or []) if p not in sys.path]
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = world_size if local_world_size is None else local_world_size
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), OMP_NUM_THREADS=str(num_threads),
+        RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(node_rank), NODE_RANK=str(node_rank),
+        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), OMP_NUM_THREADS=str(num_threads),
     )
-    # gloo listens for its peers on the interface its host name resolves to, often a public one.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-    if backend == "nccl":  # its bootstrap sockets too: every rank is on this host
+    # gloo listens for its peers on the interface its host name resolves to: a public one on one
+    # machine (loopback is the one to use), a loopback one on many Debian nodes (127.0.1.1; the peers
+    # then fail with "connectFullMesh failed"). Name the interface on the route to rank 0.
+    on_route = address_toward(master_addr) if not master_addr.startswith("127.") else None
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", (interface_of(on_route) if on_route else None)
+                          or loopback_interface())
+    if backend == "nccl":  # its bootstrap sockets too
         os.environ.setdefault("NCCL_SOCKET_IFNAME", os.environ["GLOO_SOCKET_IFNAME"])
     # A rank stuck inside a collective sits in C++ code where no Python signal handler can run;
     # faulthandler dumps the Python stacks from C, which is how RankHang tells where a rank is stuck.
-    stack_out = open(stack_file, "a", buffering=1)
-    faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+    # (Not across machines: there the kernel has no file to read, and asks the answering thread.)
+    stack_out = open(stack_file, "a", buffering=1) if stack_file else None
+    if stack_out is not None:
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
 
     import torch
     import torch.distributed as dist
@@ -137,14 +207,14 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
 
     torch.set_num_threads(num_threads)
     if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device_name, device_type = f"cuda:{rank}", "cuda"
+        torch.cuda.set_device(local_rank)
+        device_name, device_type = f"cuda:{local_rank}", "cuda"
     else:
         device_name, device_type = "cpu", "cpu"
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     store = _STATE.pop("store", None)
     if store is None and rank != 0:
-        store = dist.TCPStore("127.0.0.1", master_port, world_size, False, timeout=timeout)
+        store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
     if store is not None:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     else:
@@ -152,13 +222,21 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
     _STATE.update(
         rank=rank, world_size=world_size, backend=backend, device=device_name,
         mesh=init_device_mesh(device_type, (world_size,)), stack_out=stack_out,
-        main_thread=threading.main_thread().ident,
+        main_thread=threading.main_thread().ident, local_rank=local_rank, local_world_size=local_world_size,
+        node_rank=node_rank, nodes=nodes, node_mesh=None,
     )
-    if ask_file is not None:
-        from . import hang
+    from . import hang
 
+    ask_port = address = None
+    if ask_token is not None:
+        address = routable_address(master_addr)
+        ask_port = hang.start_answering((address, ask_token), _STATE)
+    elif ask_file is not None:
         hang.start_answering(ask_file, _STATE)
-    return {"rank": rank, "pid": os.getpid(), "device": device_name, "main_thread": _STATE["main_thread"]}
+    import socket
+
+    return {"rank": rank, "pid": os.getpid(), "device": device_name, "main_thread": _STATE["main_thread"],
+            "host": socket.gethostname(), "address": address, "ask_port": ask_port}
 
 
 def teardown() -> None:

@@ -1,7 +1,8 @@
 """What each rank is doing right now: the collective it waits in or finished last, and where in user code.
 
 Each rank runs a small answering thread (started by fsdplab.dist.setup). The kernel writes a request to
-the rank's ask file (a named pipe); the thread answers with a snapshot: the Python frames of the rank's
+the rank's ask file (a named pipe), or, for a rank on another machine, sends it over TCP with the
+cluster's token (no shared filesystem); the thread answers with a snapshot: the Python frames of the rank's
 main thread, the last collectives from torch's flight recorder (TORCH_FR_BUFFER_SIZE, which records op,
 sequence number, group, shapes and dtypes on gloo and nccl), what call is running, and memory in use.
 A thread can answer while the main thread is blocked inside a collective: the wait runs in C++ with
@@ -10,8 +11,10 @@ the GIL released.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -28,14 +31,52 @@ _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16
 _RANK_STATE: dict = {}   # fsdplab.dist's per-rank state, handed over by start_answering (no import cycle)
 
 
-def start_answering(ask_file: str, rank_state: dict) -> None:
-    """Create the ask pipe and the thread that answers on it (once per rank process). `rank_state` is
-    fsdplab.dist's live state dict: what the rank is running ("now") and its world size."""
+def start_answering(ask_file, rank_state: dict):
+    """Start the thread that answers the kernel (once per rank process). `rank_state` is fsdplab.dist's
+    live state dict: what the rank is running ("now") and its world size.
+
+    `ask_file`: a path, for a kernel on this machine (a named pipe in the cluster's scratch folder); or
+    (address, token), for a kernel on another machine: the thread listens on TCP at `address` and answers
+    requests that carry `token` (no shared filesystem needed). Returns the TCP port, or None."""
     global _RANK_STATE
     _RANK_STATE = rank_state
+    if isinstance(ask_file, tuple):
+        address, token = ask_file
+        server = socket.create_server((address, 0))
+        threading.Thread(target=_answer_tcp, args=(server, token), daemon=True, name="fsdplab-answer").start()
+        return server.getsockname()[1]
     if not os.path.exists(ask_file):
         os.mkfifo(ask_file)
     threading.Thread(target=_answer_loop, args=(ask_file,), daemon=True, name="fsdplab-answer").start()
+    return None
+
+
+def _answer(request: str) -> dict:
+    try:
+        answer = snapshot()
+    except Exception as exc:  # noqa: BLE001 - an answer that says why beats no answer
+        answer = {"error": repr(exc)}
+    answer["request"] = request
+    return answer
+
+
+def _answer_tcp(server, token: str) -> None:
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            try:
+                conn.settimeout(2.0)
+                line = conn.makefile("rb").readline().decode(errors="replace").split()
+                # An empty connection is the kernel checking that this rank is alive: nothing to answer.
+                if len(line) != 2 or not hmac.compare_digest(line[0], token):
+                    continue
+                if line[1].startswith("signal-"):  # the kernel was interrupted: SIGINT this rank
+                    os.kill(os.getpid(), int(line[1].split("-")[1]))
+                    conn.sendall(json.dumps({"request": line[1]}).encode())
+                else:
+                    conn.sendall(json.dumps(_answer(line[1])).encode())
+            except OSError:
+                continue
 
 
 def _answer_loop(ask_file: str) -> None:
@@ -47,11 +88,7 @@ def _answer_loop(ask_file: str) -> None:
             return  # the scratch folder is gone: the cluster is stopping
         if not request:
             continue
-        try:
-            answer = snapshot()
-        except Exception as exc:  # noqa: BLE001 - an answer that says why beats no answer
-            answer = {"error": repr(exc)}
-        answer["request"] = request
+        answer = _answer(request)
         tmp = f"{ask_file}.{request}.tmp"
         try:
             with open(tmp, "w") as f:
@@ -119,14 +156,21 @@ def _recent_collectives() -> list:
 
 
 # --- in the kernel ------------------------------------------------------------------------------
-def ask(ask_files: dict, wait_s: float = 1.0) -> dict:
-    """rank -> snapshot, from each rank's answering thread; a rank that does not answer in time is left out."""
-    request = f"{os.getpid()}-{time.monotonic_ns()}"
-    asked = {}
+def ask(ask_files: dict, wait_s: float = 1.0, request: str | None = None) -> dict:
+    """rank -> snapshot, from each rank's answering thread; a rank that does not answer in time is left out.
+
+    `ask_files`: rank -> its ask pipe's path, or (address, port, token) for a rank that answers on TCP."""
+    request = request or f"{os.getpid()}-{time.monotonic_ns()}"
+    asked, answers = {}, {}
+    remote = {r: target for r, target in ask_files.items() if isinstance(target, tuple)}
+    threads = [threading.Thread(target=_ask_tcp, args=(target, request, wait_s, answers, r), daemon=True)
+               for r, target in remote.items()]
+    for t in threads:
+        t.start()
     for rank, path in ask_files.items():
-        if _write_request(path, request):
+        if rank not in remote and _write_request(path, request):
             asked[rank] = path
-    answers, deadline = {}, time.monotonic() + wait_s
+    deadline = time.monotonic() + wait_s
     while asked and time.monotonic() < deadline:
         for rank, path in list(asked.items()):
             try:
@@ -138,7 +182,35 @@ def ask(ask_files: dict, wait_s: float = 1.0) -> dict:
                 answers[rank] = answer
                 del asked[rank]
         time.sleep(0.01)
-    return answers
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return dict(answers)
+
+
+def _ask_tcp(target: tuple, request: str, wait_s: float, answers: dict, rank: int) -> None:
+    address, port, token = target
+    try:
+        with socket.create_connection((address, port), timeout=wait_s) as conn:
+            conn.settimeout(wait_s)
+            conn.sendall(f"{token} {request}\n".encode())
+            data = b"".join(iter(lambda: conn.recv(65536), b""))
+        answer = json.loads(data)
+    except (OSError, ValueError):
+        return
+    if answer.get("request") == request:
+        answers[rank] = answer
+
+
+def reachable(address: str, port: int, timeout: float = 0.5) -> bool | None:
+    """Whether a rank's answering port takes a connection: False when refused (the process is gone, its
+    node is up), None when unknown (no answer in time: a busy or unreachable node)."""
+    try:
+        socket.create_connection((address, port), timeout=timeout).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
 
 
 def _write_request(path: str, request: str) -> bool:

@@ -99,7 +99,15 @@ def test_a_rank_raising_while_others_wait_in_a_collective_is_reported_at_once(fa
 def test_a_rank_killed_while_idle_is_rank_died_at_the_next_call():
     with fsdplab.Cluster(2, backend="gloo", quiet=True) as c:
         os.kill(c.pids[1], signal.SIGKILL)
-        psutil.Process(c.pids[1]).wait(10) if psutil.pid_exists(c.pids[1]) else None
+        # Wait until it is dead without reaping it: the cluster's own wait reads its exit code.
+        pid, deadline = c.pids[1], time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
         with pytest.raises(fsdplab.RankDied) as info:
             c.run(fsdplab.rank)
         assert info.value.exits == {1: -signal.SIGKILL}

@@ -1,0 +1,151 @@
+"""The processes behind a cluster: what the machine can start, and killing everything that was started.
+
+Nothing here knows about ranks: a cluster hands over pids, psutil handles and its scratch folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+# Memory one CPU rank needs before it does any work (Python, torch, gloo, ipyparallel), measured on
+# torch 2.13: about 0.3 GiB. Used to refuse a world size the machine cannot start.
+_RANK_BYTES = 350 * 2**20
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_count() -> int:
+    """GPUs visible to torch, asked without creating a CUDA context in the kernel."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(world_size: int, backend: str = "auto") -> str:
+    """nccl when there is one GPU per rank, else gloo; raises ValueError with the fix for bad input."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}.")
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
+    if backend == "gloo":
+        return "gloo"
+    gpus = gpu_count()
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) "
+                         f"are visible. Use world_size<={gpus}" if gpus else
+                         "backend='nccl' needs GPUs and none are visible. Use backend='gloo' (CPU ranks).")
+    return "nccl" if gpus >= world_size else "gloo"
+
+
+def max_world_size() -> int:
+    """The most ranks this machine can start: memory available now over what one idle rank needs."""
+    import psutil
+
+    return max(1, psutil.virtual_memory().available // _RANK_BYTES)
+
+
+def check_capacity(world_size: int) -> None:
+    """ValueError, before anything starts, for more ranks than the machine has memory for."""
+    most = max_world_size()
+    if world_size > most:
+        raise ValueError(
+            f"world_size={world_size} is more ranks than this machine can start: each rank process needs "
+            f"about {_RANK_BYTES / 2**30:.2f} GiB before it does any work and "
+            f"{most * _RANK_BYTES / 2**30:.1f} GiB is available. Use world_size<={most}.")
+
+
+def _check_timeout(timeout, name: str = "timeout") -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{name} is in seconds and must be > 0, got {timeout!r}. "
+                         f"Leave it out for the cluster's default, or give e.g. {name}=60.")
+
+
+def _process_tree(pids) -> list:
+    """psutil.Process objects for `pids` and all their descendants (collected before anything is killed)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs += [proc] + proc.children(recursive=True)
+        except psutil.Error:
+            pass
+    return procs
+
+
+def _kill_all(procs, wait_s: float = 5.0) -> list:
+    """SIGKILL each process and wait until it is gone; returns the ones still alive."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    # Our own children are reaped here; a killed process whose parent died too is a zombie until init
+    # reaps it (seconds, on some machines), but it is dead: it runs nothing and holds no socket.
+    deadline = time.monotonic() + wait_s
+    alive = list(procs)
+    while alive:
+        psutil.wait_procs(alive, timeout=0.01)
+        alive = [p for p in alive if _alive(p)]
+        if time.monotonic() > deadline:
+            break
+    return alive
+
+
+def _cleanup(ipp_cluster, pids, reaper, workdir, jobs=(), slurm_env=None):
+    """Cancel a cluster's Slurm jobs, kill its processes and its watcher, and remove its scratch folder;
+    safe to call twice, never raises (the garbage collector and interpreter exit call it too)."""
+    if jobs:
+        try:
+            from . import slurm
+
+            slurm.cancel(list(jobs), slurm_env, wait_s=10)
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        _kill_all(_process_tree(pids), wait_s=3)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        ipp_cluster.stop_cluster_sync()
+    except Exception:  # noqa: BLE001
+        pass
+    # The watcher goes last: if this process is killed half-way, it is still there to finish the job.
+    try:
+        if reaper is not None and reaper.poll() is None:
+            reaper.kill()
+            reaper.wait(5)
+    except Exception:  # noqa: BLE001
+        pass
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmdline(proc) -> list:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001
+        return [str(proc)]
+

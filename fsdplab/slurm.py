@@ -1,0 +1,305 @@
+"""Ranks on the nodes of a Slurm cluster: the options, their checks, and the job's life.
+
+`Cluster(world_size, launcher="slurm", nodes=2, ...)` keeps the kernel and the ipyparallel controller
+where the notebook runs (a login node) and starts the ranks with ipyparallel's own Slurm engine
+launcher: one `sbatch` job, one `srun` task per rank. Everything here is what fsdplab adds to it: the
+batch script (nodes, tasks per node, GPUs, partition, time limit, extra #SBATCH lines), checks that
+turn bad input into a ValueError that says the fix, the job's state while it starts (a job that stays
+pending ends in an error naming Slurm's reason), and cancelling it (`scancel`, then waiting until
+`squeue` no longer lists it).
+
+Nothing assumes a shared filesystem: the engines get the controller's address in their environment
+(sbatch --export=ALL), and everything else goes over the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+from . import hang
+
+TOOLS = ("sbatch", "squeue", "scancel", "sinfo")
+# Slurm job states that end a job: the ranks will never start.
+_ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+          "PREEMPTED", "TIMEOUT"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmOptions:
+    """Where the ranks run: `nodes` nodes, `per_node` ranks on each, the job's settings."""
+
+    nodes: int
+    per_node: int
+    gpus_per_node: int
+    partition: str | None
+    time_limit: str | None
+    sbatch_args: tuple
+    env: dict  # the environment for Slurm's tools (SLURM_CONF set when given)
+    address: str  # where the nodes reach this machine (the controller)
+
+
+def _slurm_env(slurm_conf) -> dict:
+    env = dict(os.environ)
+    if slurm_conf is not None:
+        if not os.path.isfile(slurm_conf):
+            raise ValueError(f"slurm_conf={slurm_conf!r} is not a file. Give the path of the cluster's "
+                             "slurm.conf (often /etc/slurm/slurm.conf), or leave it out to use $SLURM_CONF.")
+        env["SLURM_CONF"] = os.path.abspath(slurm_conf)
+    elif env.get("SLURM_CONF") and not os.path.isfile(env["SLURM_CONF"]):
+        raise ValueError(f"$SLURM_CONF names {env['SLURM_CONF']!r}, which does not exist. Point it at the "
+                         "cluster's slurm.conf, or pass slurm_conf=PATH.")
+    return env
+
+
+def _node_gpus(env: dict, partition) -> list[int]:
+    """GPUs of each node of the partition (from its GRES), asking slurmctld through sinfo."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N|%G"] + (["-p", partition] if partition else [])
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise ValueError("sinfo did not answer within 30 s: is slurmctld reachable from here "
+                         "(SLURM_CONF, the network)?") from None
+    if out.returncode != 0:
+        raise ValueError(f"Slurm does not answer here: `{' '.join(argv)}` said: {out.stderr.strip()}. "
+                         "Run the notebook on a node of the cluster (a login node) and set SLURM_CONF, "
+                         "or pass slurm_conf=PATH.")
+    gpus = {}
+    for line in out.stdout.splitlines():
+        name, _, gres = line.partition("|")
+        count = 0
+        for item in gres.split(","):
+            parts = item.split("(")[0].split(":")
+            if parts[0] == "gpu" and parts[-1].isdigit():
+                count += int(parts[-1])
+        gpus[name] = count
+    if not gpus:
+        raise ValueError(f"the partition {partition!r} has no nodes (sinfo lists none). "
+                         "Give an existing partition= (sinfo lists them) or leave it out for the default.")
+    return list(gpus.values())
+
+
+def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, time_limit, sbatch_args,
+            slurm_conf, address) -> tuple[SlurmOptions, str]:
+    """Checked options and the backend ('auto' -> nccl when the nodes have a GPU per rank)."""
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        raise ValueError(f"launcher='slurm' needs Slurm's tools ({', '.join(missing)} not found). Run the "
+                         "notebook on a login node of the cluster, or install the client (Debian/Ubuntu: "
+                         "apt-get install slurm-client) and set SLURM_CONF.")
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise ValueError(f"nodes is the number of Slurm nodes, a whole number >= 1, got {nodes!r}.")
+    if world_size % nodes:
+        raise ValueError(f"world_size={world_size} does not split evenly over nodes={nodes}: every node runs "
+                         f"the same number of ranks. Use a world_size that is a multiple of {nodes}.")
+    per_node = world_size // nodes
+    args = tuple(sbatch_args or ())
+    if not all(isinstance(a, str) and a.startswith("-") for a in args):
+        raise ValueError(f"sbatch_args is a list of sbatch options such as ['--account=proj', "
+                         f"'--qos=debug'], got {sbatch_args!r}.")
+    env = _slurm_env(slurm_conf)
+    node_gpus = _node_gpus(env, partition)
+    most = max(node_gpus)
+    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 0):
+        raise ValueError(f"gpus_per_node is a whole number >= 0, got {gpus_per_node!r}.")
+    if gpus_per_node is not None and gpus_per_node > most:
+        raise ValueError(f"gpus_per_node={gpus_per_node} is more than any node of the partition has "
+                         f"({most}). Use gpus_per_node<={most}, or another partition=.")
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
+    gpus = per_node if gpus_per_node is None else gpus_per_node
+    if backend == "nccl" and (most < per_node or gpus < per_node):
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {per_node} rank(s) per node, but the nodes "
+                         f"have at most {most} GPU(s)" + (f" and gpus_per_node={gpus_per_node}"
+                                                          if gpus_per_node is not None else "")
+                         + ". Use backend='gloo' (CPU ranks), more nodes, or a GPU partition=.")
+    if backend == "auto":
+        backend = "nccl" if most >= per_node and gpus >= per_node else "gloo"
+    chosen = SlurmOptions(nodes, per_node, gpus if backend == "nccl" else (gpus_per_node or 0), partition,
+                          time_limit, args, env, address or this_address())
+    return chosen, backend
+
+
+def this_address() -> str:
+    """This machine's address as the nodes see it: what its host name resolves to, unless that is a
+    loopback address (Debian maps the host name to 127.0.1.1); then the first address of an interface."""
+    import psutil
+
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        resolved = "127.0.0.1"
+    if not resolved.startswith("127."):
+        return resolved
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    raise ValueError("this machine has no network address other than loopback: the nodes cannot reach it. "
+                     "Pass address= (where the nodes reach this machine).")
+
+
+def batch_template(opts: SlurmOptions) -> str:
+    """ipyparallel's Slurm engine script with fsdplab's layout: `per_node` tasks on each of `nodes` nodes."""
+    lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=fsdplab-{cluster_id}",
+             f"#SBATCH --nodes={opts.nodes}", f"#SBATCH --ntasks-per-node={opts.per_node}",
+             "#SBATCH --ntasks={n}", "#SBATCH --output=/dev/null"]
+    if opts.partition:
+        lines.append(f"#SBATCH --partition={opts.partition}")
+    if opts.time_limit:
+        lines.append(f"#SBATCH --time={opts.time_limit}")
+    if opts.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
+    # The user's own options last: sbatch lets a later one win. Braces would be template fields.
+    lines += ["#SBATCH " + a.replace("{", "{{").replace("}", "}}") for a in opts.sbatch_args]
+    # --kill-on-bad-exit=0: one rank that dies must not take the others down before the kernel looks.
+    lines.append("srun --kill-on-bad-exit=0 {program_and_args}")
+    return "\n".join(lines) + "\n"
+
+
+def configure(ipp_cluster, opts: SlurmOptions, env: dict) -> None:
+    """Point an ipp.Cluster (engines="slurm") at the nodes: batch script, engine environment."""
+    launcher = ipp_cluster.config.SlurmEngineSetLauncher
+    launcher.batch_template = batch_template(opts)
+    # sbatch runs with the kernel's environment plus these; --export=ALL hands them to every rank.
+    launcher.environment = {**env, **({"SLURM_CONF": opts.env["SLURM_CONF"]} if "SLURM_CONF" in opts.env else {})}
+
+
+def job_ids(ipp_cluster) -> list[str]:
+    return [js.job_id for js in list(ipp_cluster.engines.values()) if getattr(js, "job_id", "")]
+
+
+def job_state(job: str, env: dict) -> tuple[str | None, str]:
+    """(state, reason) of a job as squeue reports it; (None, '') once it has left the queue."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T|%r"], capture_output=True, text=True,
+                             env=env, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "UNKNOWN", "squeue did not answer"
+    line = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not line:
+        return None, ""
+    state, _, reason = line[0].partition("|")
+    return state, reason
+
+
+def cancel(jobs, env: dict, wait_s: float = 20.0) -> list[str]:
+    """scancel the jobs and wait until squeue no longer lists them; returns those still listed."""
+    jobs = [j for j in jobs if j]
+    if not jobs:
+        return []
+    subprocess.run(["scancel", *jobs], capture_output=True, env=env, timeout=30)
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [j for j in jobs if job_state(j, env)[0] is not None]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def start_problem(job: str, env: dict, waited_s: float, timed_out: bool) -> str | None:
+    """Why the job's ranks are not up yet, as an error message; None while waiting longer makes sense."""
+    state, reason = job_state(job, env)
+    if state in _ENDED or (state is None and not timed_out):
+        return (f"the Slurm job {job} ended before its ranks connected (state {state or 'gone'}"
+                + (f", reason {reason}" if reason and reason != "None" else "")
+                + "). Check that the nodes can run this Python and reach this machine, or run sbatch "
+                  "with --output=FILE in sbatch_args to see the ranks' output.")
+    if not timed_out:
+        return None
+    if state == "PENDING":
+        return (f"the Slurm job {job} was still pending after {waited_s:.0f} s: Slurm's reason is "
+                f"'{reason}'. The job was cancelled. Ask for fewer nodes or GPUs, another partition=, or a "
+                "longer start_timeout= if the cluster is just busy.")
+    return (f"the Slurm job {job} is {state} but its ranks did not connect within {waited_s:.0f} s. The job "
+            "was cancelled. The nodes must reach this machine's controller ports (see the README, 'More "
+            "than one machine').")
+
+
+def placement() -> dict:
+    """On a rank: where Slurm put it (task id, node index, index on the node) and its host."""
+    def number(name):
+        value = os.environ.get(name, "")
+        return int(value) if value.isdigit() else None
+
+    return {"procid": number("SLURM_PROCID"), "nodeid": number("SLURM_NODEID"),
+            "localid": number("SLURM_LOCALID"), "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def rank_order(places: list) -> list:
+    """Indices of `places` in rank order: by node, then index on the node (then task id), never by
+    engine id (ipyparallel numbers engines in the order they connect)."""
+    def key(i):
+        p = places[i]
+        return (p["nodeid"] if p["nodeid"] is not None else 0, p["localid"] if p["localid"] is not None else 0,
+                p["procid"] if p["procid"] is not None else i)
+
+    return sorted(range(len(places)), key=key)
+
+
+def join_group(cluster) -> tuple[list, list, dict]:
+    """Make `cluster`'s engines one process group: ranks by (node, index on the node) from Slurm's task
+    variables, rank 0's routable address as MASTER_ADDR (the store listens there), and each rank
+    answering the kernel on TCP (no shared scratch folder). Returns engine ids in rank order, what each
+    rank's setup returned, and rank -> RemoteRank."""
+    import secrets
+
+    from . import dist
+
+    opts, client = cluster._slurm, cluster._client
+    places = client[cluster._engine_ids].apply_async(placement).get(timeout=120)
+    order = rank_order(places)
+    engine_ids = [cluster._engine_ids[i] for i in order]
+    places = [places[i] for i in order]
+    first = client[engine_ids[0]]
+    master = first.apply_async(dist.routable_address, opts.address).get(timeout=60)
+    port = first.apply_async(dist.open_store, world_size=cluster.world_size,
+                             timeout_s=cluster.collective_timeout, host=master).get(timeout=120)
+    token = secrets.token_hex(16)
+    pending = [client[eid].apply_async(
+        dist.setup, rank=rank, world_size=cluster.world_size, master_port=port, backend=cluster.backend,
+        collective_timeout_s=cluster.collective_timeout, num_threads=cluster._threads, stack_file=None,
+        sys_path=list(sys.path), master_addr=master, local_rank=place["localid"] or 0,
+        local_world_size=opts.per_node, node_rank=place["nodeid"] or 0, nodes=opts.nodes, ask_token=token)
+        for rank, (eid, place) in enumerate(zip(engine_ids, places))]
+    info = [ar.get(timeout=120) for ar in pending]
+    procs = {i["rank"]: RemoteRank(i["pid"], i["host"], eid, i["address"], i["ask_port"], token)
+             for i, eid in zip(info, engine_ids)}
+    return engine_ids, info, procs
+
+
+class RemoteRank:
+    """A rank on another machine: no process handle here, so it counts as gone when the controller drops
+    its engine (missed heartbeats) or when its answering port refuses connections (the process exited
+    and its node is up), whichever comes first."""
+
+    _PROBE_S = 0.25
+
+    def __init__(self, pid: int, host: str, engine_id: int, address: str, ask_port: int, token: str):
+        self.pid, self.host, self.engine_id = pid, host, engine_id
+        self.ask_target = (address, ask_port, token)
+        self._probed, self._gone = 0.0, False
+
+    def alive(self, client) -> bool:
+        if self._gone:
+            return False
+        if client is not None and self.engine_id not in client.ids:
+            self._gone = True
+        elif time.monotonic() - self._probed > self._PROBE_S:
+            self._probed = time.monotonic()
+            self._gone = hang.reachable(*self.ask_target[:2]) is False
+        return not self._gone
+
+    def send_signal(self, sig) -> None:
+        """Deliver `sig` (SIGINT: an interrupted kernel) through the rank's answering thread."""
+        if int(sig) != 2:
+            raise ValueError("only SIGINT reaches a rank on another node")
+        hang.ask({0: self.ask_target}, wait_s=1.0, request=f"signal-{int(sig)}")
+
+    def __repr__(self):
+        return f"RemoteRank(pid={self.pid}, host={self.host!r})"
