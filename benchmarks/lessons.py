@@ -12,8 +12,10 @@ per-cell durations summed by what each cell does, read from the cell's source:
     kernel     the rest of the wall clock: kernel start, papermill's bookkeeping
 
 A cell that matches several groups counts in the first one listed; `--cells N` also lists each lesson's N
-slowest cells. The last line compares the total with
-the lab's target: every lesson at its defaults in 4 minutes. Timings depend on the machine and its load.
+slowest cells. Estimates a lesson starts in the background (`sweep.start_estimates`) run while its other cells
+do; the estimates column shows only the wait where the lesson collects them (`.result()`). The last line
+compares the total with the lab's target: every lesson at its defaults in 4 minutes. Timings depend on the
+machine and its load.
 """
 
 import argparse

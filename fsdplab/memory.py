@@ -208,19 +208,29 @@ def _progress_printer(enabled, label, stream=None):
 
 def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -> MemoryReport:
     say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}", progress_stream)
-    cached = _cache_path(setting)
-    if cached is not None and cached.exists():
-        report = MemoryReport.from_dict(json.loads(cached.read_text()))
-        report.notes.append(f"reused: this run estimated the same setting before, with the same fsdplab code and "
-                            f"torch ({report.seconds:.1f} s then); FSDPLAB_ESTIMATE_CACHE={cached.parent}")
+    report = cached_estimate(setting)
+    if report is not None:
         say(f"reused the estimate made earlier in this run (it took {report.seconds:.1f} s)")
         return report
+    cached = _cache_path(setting)
     report = _compute_estimate(setting, say)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
         tmp.write_text(report.to_json())
         os.replace(tmp, cached)   # atomic: a reader sees the whole report or none
+    return report
+
+
+def cached_estimate(setting: TrainSetting) -> MemoryReport | None:
+    """The report this run already made for `setting` (FSDPLAB_ESTIMATE_CACHE), with a note saying so; None
+    when there is none (or no cache)."""
+    cached = _cache_path(setting)
+    if cached is None or not cached.exists():
+        return None
+    report = MemoryReport.from_dict(json.loads(cached.read_text()))
+    report.notes.append(f"reused: this run estimated the same setting before, with the same fsdplab code and "
+                        f"torch ({report.seconds:.1f} s then); FSDPLAB_ESTIMATE_CACHE={cached.parent}")
     return report
 
 

@@ -26,6 +26,29 @@ from .dist import this_rank
 from .settings import PRECISIONS, torch_dtype
 
 
+_GROUPS: dict = {}
+
+
+def _group(group_size):
+    """(process group of ranks 0..group_size-1, its 1-D mesh or None, member?) for the `*_on_rank` functions: one
+    started cluster serves every group size. Every rank must call it with the same sizes in the same order
+    (creating a group is collective); None means all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .dist import device, mesh
+
+    size = group_size or dist.get_world_size()
+    if size == dist.get_world_size():
+        return dist.group.WORLD, mesh(), True
+    if not 1 <= size <= dist.get_world_size():
+        raise ValueError(f"group_size must be between 1 and the {dist.get_world_size()} ranks, got {size}.")
+    if size not in _GROUPS:
+        _GROUPS[size] = dist.new_group(list(range(size)))
+    member = dist.get_rank() < size
+    return _GROUPS[size], DeviceMesh.from_group(_GROUPS[size], device().type) if member else None, member
+
+
 # --- ranges ----------------------------------------------------------------------------------------
 
 def dtype_table() -> list:
@@ -171,19 +194,23 @@ def probe_norms(model: nn.Module, records: list, print_rank: int | None = None) 
 
 
 def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32", keep_norms_fp32: bool = False,
-                        cfg=None, verbose: bool = True) -> list:
+                        cfg=None, verbose: bool = True, group_size=None) -> list | None:
     """FSDP2 with MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=reduce_precision) on the tiny
     transformer; one forward; the dtypes every norm layer saw, read from inside forward.
 
     keep_norms_fp32: shard each norm as its own FSDP2 unit with an fp32 policy first (inputs cast up to fp32,
-    outputs back to `precision`): the way to actually run norms in fp32 under FSDP2.
+    outputs back to `precision`): the way to actually run norms in fp32 under FSDP2. group_size: run on ranks
+    0..group_size-1 (the others return None).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .dist import device, mesh, rank
+    from .dist import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny
 
+    _, group_mesh, member = _group(group_size)
+    if not member:
+        return None
     cfg = cfg or TinyConfig()
     model = build_tiny(cfg, device=device())
     if keep_norms_fp32:
@@ -192,8 +219,8 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                     output_dtype=torch_dtype(precision), cast_forward_inputs=True)
         for module in [m for m in model.modules() if is_norm(m)]:
-            fully_shard(module, mesh=mesh(), mp_policy=fp32)
-    apply_fsdp(model, mesh(), precision=precision, reduce_precision=reduce_precision)
+            fully_shard(module, mesh=group_mesh, mp_policy=fp32)
+    apply_fsdp(model, group_mesh, precision=precision, reduce_precision=reduce_precision)
     records = []
     probe_norms(model, records, print_rank=-1 if verbose else None)
     tokens, _ = random_batch(cfg, 2, seed=rank(), device=device())
@@ -202,13 +229,13 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
     return records
 
 
-def fsdp1_mixed_precision_on_rank(cfg=None) -> dict:
+def fsdp1_mixed_precision_on_rank(cfg=None, group_size=None) -> dict | None:
     """The posts' FSDP1 call `FSDP(model, mixed_precision=torch.float16)`, and the correct one.
 
     FSDP1 refuses a CPU rank unless `device_id=cpu` is passed explicitly; with it, construction and a forward
     run (enough for this check; FSDP1 on CPU is not a supported training setup). Returns the error the posts'
     argument raises and the norm dtypes seen inside forward with `MixedPrecision(param_dtype=fp16,
-    reduce_dtype=fp32)`.
+    reduce_dtype=fp32)`. group_size: run on ranks 0..group_size-1 (the others return None).
     """
     import warnings
 
@@ -218,16 +245,21 @@ def fsdp1_mixed_precision_on_rank(cfg=None) -> dict:
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp1, build_tiny
 
+    group, _, member = _group(group_size)
+    if not member:
+        return None
     warnings.filterwarnings("ignore", module="torch.distributed.fsdp")
     cfg = cfg or TinyConfig()
     out = {}
     try:
-        apply_fsdp1(build_tiny(cfg, device=device()), device(), per_block=False, mixed_precision=torch.float16)
+        apply_fsdp1(build_tiny(cfg, device=device()), device(), per_block=False, mixed_precision=torch.float16,
+                    process_group=group)
         out["posts_call"] = "no error"
     except Exception as e:  # noqa: BLE001 - showing whatever the posts' call raises is the point
         out["posts_call"] = f"{type(e).__name__}: {e}"
     policy = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    model = apply_fsdp1(build_tiny(cfg, device=device()), device(), per_block=False, mixed_precision=policy)
+    model = apply_fsdp1(build_tiny(cfg, device=device()), device(), per_block=False, mixed_precision=policy,
+                        process_group=group)
     records = []
     probe_norms(model, records)
     tokens, _ = random_batch(cfg, 2, seed=rank(), device=device())
@@ -240,7 +272,7 @@ def fsdp1_mixed_precision_on_rank(cfg=None) -> dict:
 # --- gradient reduction precision ------------------------------------------------------------------
 
 def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0, cfg=None, seed: int = 0,
-                         batch_size: int = 4) -> dict:
+                         batch_size: int = 4, group_size=None) -> dict | None:
     """Gradients of one step under FSDP2 with fp32 compute and `reduce_precision` reduce-scatter, against a
     float64 reference (each rank's fp32 local gradient, summed in float64 and averaged).
 
@@ -248,27 +280,31 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
     only difference from the reference is the reduction dtype. Each rank compares its own gradient shard
     with the same rows of the reference (FSDP2 shards dim 0 like torch.chunk) and one all-reduce sums the
     tallies. Returns the relative L2 error, the fraction of non-zero reference elements that arrive as
-    exactly 0 and the count of non-finite elements; equal on all ranks.
+    exactly 0 and the count of non-finite elements; equal on all ranks of the group (ranks 0..group_size-1;
+    the others return None).
     """
     import torch.distributed as dist
 
-    from .dist import device, mesh, rank, world_size
+    from .dist import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny, loss_of
 
+    group, group_mesh, member = _group(group_size)
+    if not member:
+        return None
     cfg = cfg or TinyConfig()
-    dev, n, r = device(), world_size(), rank()
+    dev, n, r = device(), dist.get_world_size(group), rank()   # ranks 0..n-1: the global rank is the group's
     batch = random_batch(cfg, batch_size, seed=seed + r, device=dev)
     reference = build_tiny(cfg, seed=seed, device=dev)
     # Gradients only, no optimizer step: backward is called here, not through train_step.
     (loss_of(reference, batch) * loss_scale).backward()
     grads = [p.grad for p in reference.parameters()]
     flat = torch.cat([g.double().flatten() for g in grads]) / loss_scale
-    dist.all_reduce(flat)                       # one float64 sum of every rank's gradient
+    dist.all_reduce(flat, group=group)          # one float64 sum of every rank's gradient
     flat /= n
     ref_full = [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
-    model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), mesh(), precision="fp32",
+    model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), group_mesh, precision="fp32",
                        reduce_precision=reduce_precision)
     (loss_of(model, batch) * loss_scale).backward()
     tally = torch.zeros(5, dtype=torch.float64, device=dev)   # err^2, ref^2, flushed, non-zero ref, non-finite
@@ -281,7 +317,7 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
         tally += torch.stack([(got[finite] - ref[finite]).pow(2).sum(), ref[finite].pow(2).sum(),
                               ((got == 0) & (ref != 0)).sum().double(), (ref != 0).sum().double(),
                               (~finite).sum().double()])
-    dist.all_reduce(tally)
+    dist.all_reduce(tally, group=group)
     err2, ref2, flushed, nonzero, nonfinite = tally.tolist()
     return {"reduce": reduce_precision, "world_size": n, "loss_scale": loss_scale,
             "rel_error": math.sqrt(err2 / ref2), "flushed_to_zero": flushed / nonzero, "nonfinite": int(nonfinite)}
@@ -290,7 +326,7 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
 # --- loss scaling across ranks ---------------------------------------------------------------------
 
 def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step: int = 1, inf_rank: int = 1,
-                             cfg=None, seed: int = 0) -> dict:
+                             cfg=None, seed: int = 0, group_size=None) -> dict | None:
     """FSDP1 (each rank owns one flat gradient shard) + a loss scaler; at `inf_step` rank `inf_rank` finds an
     inf in its own gradient shard (as an fp16 overflow would put there).
 
@@ -298,6 +334,7 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
     ShardedGradScaler, which all-reduces the found-inf flag so every rank skips the same steps.
     Returns, per step, this rank's scale and whether its shard changed, plus a checksum of its shard.
     FSDP1 on a CPU rank needs `device_id=cpu` (not a supported training setup; enough for these steps).
+    group_size: run on ranks 0..group_size-1 (the others return None).
     """
     import warnings
 
@@ -309,13 +346,16 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
 
     if scaler not in ("per-rank", "agree"):
         raise ValueError(f"scaler must be 'per-rank' or 'agree', got {scaler!r}.")
+    group, _, member = _group(group_size)
+    if not member:
+        return None
     warnings.filterwarnings("ignore", module="torch.distributed.fsdp")
     cfg = cfg or TinyConfig()
     dev = device()
-    model = apply_fsdp1(build_tiny(cfg, seed=seed, device=dev), dev, per_block=False)
+    model = apply_fsdp1(build_tiny(cfg, seed=seed, device=dev), dev, per_block=False, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     amp_scaler = (torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16) if scaler == "per-rank"
-                  else ShardedGradScaler(dev.type, init_scale=2.0 ** 16))
+                  else ShardedGradScaler(dev.type, init_scale=2.0 ** 16, process_group=group))
     flat = next(model.parameters())
 
     def plant_inf():
@@ -335,18 +375,21 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
     return {"scaler": scaler, "rank": rank(), "scales": scales, "stepped": changed, "checksums": checksums}
 
 
-def fsdp2_scaler_on_rank(inf_rank: int = 1, cfg=None, seed: int = 0) -> dict:
+def fsdp2_scaler_on_rank(inf_rank: int = 1, cfg=None, seed: int = 0, group_size=None) -> dict | None:
     """The same injected inf under FSDP2 with a plain torch.amp.GradScaler: the gradients are DTensors, and
     DTensor's handler for the scaler's inf check all-reduces the found-inf flag over the mesh (torch 2.x
     `found_inf_reduce_handler`), so the ranks agree without a special scaler. Returns this rank's scale and
-    whether its shards changed."""
-    from .dist import device, mesh, rank
+    whether its shards changed (ranks 0..group_size-1; the others return None)."""
+    from .dist import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny, train_step
 
+    _, group_mesh, member = _group(group_size)
+    if not member:
+        return None
     cfg = cfg or TinyConfig()
     dev = device()
-    model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), mesh())
+    model = apply_fsdp(build_tiny(cfg, seed=seed, device=dev), group_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16)
 
@@ -367,33 +410,36 @@ CURVE_MODES = ("fp32", "bf16", "fp16", "fp16+scaler", "fp16 model")
 
 
 def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float = 3e-3, seed: int = 0,
-                        batch_size: int = 4) -> list:
+                        batch_size: int = 4, group_size=None) -> list | None:
     """Loss per step of the tiny transformer under FSDP2 in one precision mode:
 
     fp32; bf16 (MixedPrecisionPolicy bf16 params, fp32 reduce, fp32 master + AdamW state); fp16 (the posts'
     fp16 params and fp16 reduce, no loss scaling); fp16+scaler (same, with torch.amp.GradScaler, which
     agrees across ranks on FSDP2's DTensor gradients); fp16 model (the model converted to fp16 before
     wrapping, as when loaded with torch_dtype=float16: fp16 master weights and fp16 AdamW state).
-    NaN losses are returned as float('nan').
+    NaN losses are returned as float('nan'). group_size: ranks 0..group_size-1 train (the others return None).
     """
-    from .dist import device, mesh, rank
+    from .dist import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny, train_step
 
     if mode not in CURVE_MODES:
         raise ValueError(f"mode must be one of {CURVE_MODES}, got {mode!r}.")
+    _, mesh, member = _group(group_size)
+    if not member:
+        return None
     cfg = cfg or TinyConfig()
     dev = device()
     model = build_tiny(cfg, seed=seed, device=dev)
     if mode == "fp16 model":
         model = model.half()
-        apply_fsdp(model, mesh())
+        apply_fsdp(model, mesh)
     elif mode == "fp32":
-        apply_fsdp(model, mesh())
+        apply_fsdp(model, mesh)
     elif mode == "bf16":
-        apply_fsdp(model, mesh(), precision="bf16", reduce_precision="fp32")
+        apply_fsdp(model, mesh, precision="bf16", reduce_precision="fp32")
     else:
-        apply_fsdp(model, mesh(), precision="fp16", reduce_precision="fp16")
+        apply_fsdp(model, mesh, precision="fp16", reduce_precision="fp16")
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 16) if mode == "fp16+scaler" else None
     losses = []
@@ -402,103 +448,3 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
         value = train_step(model, opt, batch, scaler=scaler).item()
         losses.append(value if math.isfinite(value) else float("nan"))
     return losses
-
-
-# --- figures ---------------------------------------------------------------------------------------
-
-def draw_ranges(fig, norms: dict, shrinks, underflow: dict):
-    """Left: relative error of each real norm module's output in fp16 / bf16 vs activation size (`norm_errors`),
-    a non-finite output drawn as x at the top, the scales where fp16 cannot hold the input shaded.
-    Right: fraction of real gradients that become 0 in each dtype / loss scale vs how small they are."""
-    ax_norm, ax_under = fig.subplots(1, 2)
-    scales, top = norms["scales"], 2.0
-    styles = {"LayerNorm": ("o", "-"), "RMSNorm": ("s", "--"), "naive RMSNorm": ("^", ":")}
-    colours = {"fp16": "tab:red", "bf16": "tab:blue"}
-    for (name, dtype), errs in norms["errors"].items():
-        marker, ls = styles.get(name, ("o", "-"))
-        ax_norm.plot(scales, [e if math.isfinite(e) else float("nan") for e in errs], marker=marker, ls=ls,
-                     color=colours.get(dtype), alpha=0.8, label=f"{name}, {dtype}")
-        bad = [s for s, e in zip(scales, errs) if not math.isfinite(e)]
-        ax_norm.plot(bad, [top] * len(bad), "x", color=colours.get(dtype), markersize=10)
-    first_inf = next((s for s, f in zip(scales, norms["input_inf"].get("fp16", [])) if f > 0), None)
-    if first_inf is not None:
-        ax_norm.axvspan(first_inf, scales[-1] * 1.5, color="tab:red", alpha=0.08,
-                        label=f"fp16 input holds inf (|x| > {torch.finfo(torch.float16).max:g}); x: output NaN")
-    ax_norm.set(xscale="log", yscale="log", ylim=(1e-7, top * 2), xlabel="activation RMS (scale of x)",
-                ylabel="relative error of the norm's output", title="norm layers in fp16 and bf16 (real modules)")
-    ax_norm.legend(fontsize=6.5, loc="lower left", ncol=2)
-    for label, fractions in underflow.items():
-        ax_under.plot(shrinks, fractions, marker="o", label=label)
-    ax_under.set(xscale="log", xlabel="gradient size (x the tiny model's real gradients)",
-                 ylabel="fraction of non-zero gradients that become 0", title="gradients: underflow to zero")
-    ax_under.invert_xaxis()
-    ax_under.legend(fontsize=7)
-    fig.tight_layout()
-
-
-def draw_scalers(fig, runs: dict, inf_step: int):
-    """Per scaler kind: each rank's loss scale per step, and each rank's shard checksum minus the agreeing
-    run's (0 = the same parameters)."""
-    ax_scale, ax_sum = fig.subplots(1, 2)
-    agree = {r["rank"]: r for r in runs["agree"]}
-    for kind, ranks in runs.items():
-        for r in ranks:
-            style = "-" if kind == "agree" else "--"
-            # Agreeing ranks draw wide and pale, so the per-rank lines on top of them stay visible.
-            look = dict(lw=6, alpha=0.35) if kind == "agree" else dict(marker="os"[r["rank"] % 2])
-            ax_scale.plot(r["scales"], style, label=f"{kind}, rank {r['rank']}", **look)
-            diff = [abs(a - b) for a, b in zip(r["checksums"], agree[r["rank"]]["checksums"])]
-            if kind != "agree":
-                ax_sum.plot(diff, style, marker="o", label=f"{kind} vs agree, rank {r['rank']}")
-    for ax in (ax_scale, ax_sum):
-        ax.axvline(inf_step, color="gray", ls=":", label="inf on one rank")
-        ax.set_xlabel("step")
-        ax.set_xticks(range(len(runs["agree"][0]["scales"])))
-        ax.legend(fontsize=7)
-    ax_scale.set(ylabel="loss scale", yscale="log", title="loss scale per rank")
-    ax_sum.set(ylabel="|shard checksum - agreeing run's|", title="parameters vs the agreeing scaler")
-    fig.tight_layout()
-
-
-def curve_spread(curves: dict, reference: str = "fp32") -> dict:
-    """{mode: largest |loss - reference loss| over the steps where the mode's loss is finite}."""
-    return {mode: max((abs(a - b) for a, b in zip(losses, curves[reference]) if math.isfinite(a)), default=float("nan"))
-            for mode, losses in curves.items() if mode != reference}
-
-
-def draw_curves(fig, curves: dict, title: str = ""):
-    """Left: loss per step for each precision mode. The finite curves lie on top of each other, so each mode
-    gets its own marker, placed on different steps, and the panel states the largest distance from fp32; a
-    mode that turned NaN is marked where it did. Right: each mode's |loss - fp32 loss| per step, log scale
-    (where the modes actually differ)."""
-    ax, ax_diff = fig.subplots(1, 2)
-    markers = "osD^v"
-    spread = curve_spread(curves)
-    for k, (mode, losses) in enumerate(curves.items()):
-        line, = ax.plot(range(len(losses)), losses, label=mode, lw=2.5 if mode == "fp32" else 1.2,
-                        ls="-" if mode in ("fp32", "bf16") else "--", marker=markers[k % len(markers)],
-                        markevery=(k, len(curves)), markersize=6, alpha=0.85)
-        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
-        if bad is not None:
-            last = losses[bad - 1] if bad else losses[0]
-            ax.plot([bad], [last], "X", color=line.get_color(), markersize=12)
-            ax.annotate(f"{mode}: NaN from step {bad}", (bad, last), xytext=(15, -25), textcoords="offset points",
-                        fontsize=8, color=line.get_color(), arrowprops={"arrowstyle": "-", "color": "gray"})
-        if mode != "fp32":
-            diff = [abs(a - b) if math.isfinite(a) else float("nan") for a, b in zip(losses, curves["fp32"])]
-            ax_diff.plot(range(len(diff)), [max(d, 1e-9) for d in diff], marker=".", color=line.get_color(),
-                         label=mode)
-    finite = {m: v for m, v in spread.items() if math.isfinite(v) and all(map(math.isfinite, curves[m]))}
-    if finite:
-        worst = max(finite, key=finite.get)
-        ax.text(0.02, 0.03, f"the curves overlap: the finite ones stay within {finite[worst]:.1e} nats of fp32\n"
-                f"(largest: {worst}); markers sit on different steps so each is visible",
-                transform=ax.transAxes, fontsize=7.5, va="bottom",
-                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
-    ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)", title="loss")
-    ax.legend(fontsize=8)
-    ax_diff.set(yscale="log", xlabel="step", ylabel="|loss - fp32 loss| (nats)", title="distance from fp32")
-    ax_diff.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()

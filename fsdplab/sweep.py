@@ -180,25 +180,74 @@ def sweep(setting: TrainSetting, *, seq_lens=None, batch_sizes=None, world_sizes
 def estimate_all(settings: list, workers: int = 2, on_done=None) -> list:
     """`memory.estimate` of each setting, `workers` at a time in warm worker processes (each pays the imports
     once, not once per setting); `on_done(setting, report)` as each finishes. Returns the reports in order."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    import multiprocessing
+    return start_estimates(settings, workers, on_done).result()
 
-    # spawn: a fresh interpreter per worker (a fork of a process with torch's threads, or of a rank, is unsafe)
-    with ProcessPoolExecutor(max(1, min(workers, len(settings))), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker) as pool:
-        futures = {pool.submit(_estimate_point, point): i for i, point in enumerate(settings)}
-        reports = [None] * len(settings)
-        try:
-            for future in as_completed(futures):
-                i = futures[future]
-                reports[i] = future.result()
-                if on_done is not None:
-                    on_done(settings[i], reports[i])
-        except BaseException:   # a failed point or Ctrl-C: do not start the points still queued
-            for future in futures:
-                future.cancel()
-            raise
-    return reports
+
+def start_estimates(settings: list, workers: int = 2, on_done=None) -> "Estimates":
+    """Start `estimate_all(settings)` and return at once: the estimates run in worker processes while the
+    caller goes on (a lesson's live ranks, say); `.result()` waits for them and returns the reports in order.
+
+    A setting listed twice is estimated once, and one this run already estimated (FSDPLAB_ESTIMATE_CACHE,
+    which `fsdplab run` shares between its lessons) is read back without starting a worker."""
+    return Estimates(list(settings), workers, on_done)
+
+
+class Estimates:
+    """Exact estimates under way in worker processes (see `start_estimates`)."""
+
+    def __init__(self, settings: list, workers: int = 2, on_done=None):
+        from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing
+
+        from .memory import cached_estimate
+
+        self.settings, self.on_done = settings, on_done
+        self.reports: list = [None] * len(settings)
+        # settings may hold unhashable configs (a miniature's transformers config): compare, do not hash
+        self._first = [next(j for j in range(i + 1) if settings[j] == s) for i, s in enumerate(settings)]
+        todo = []
+        for i in sorted(set(self._first)):
+            self.reports[i] = cached_estimate(settings[i])
+            if self.reports[i] is None:
+                todo.append(i)
+        self._pool, self._futures, self._finished = None, {}, False
+        if todo:
+            # spawn: a fresh interpreter per worker (a fork of a process with torch's threads, or of a rank, is unsafe)
+            self._pool = ProcessPoolExecutor(max(1, min(workers, len(todo))),
+                                             mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+            self._futures = {self._pool.submit(_estimate_point, settings[i]): i for i in todo}
+
+    def result(self) -> list:
+        """Wait for every estimate; the reports in the order of the settings (`on_done` runs as each arrives)."""
+        from concurrent.futures import as_completed
+
+        if self._finished:
+            return [self.reports[first] for first in self._first]
+        pending = set(self._futures.values())
+        for i in sorted(set(self._first) - pending):     # read back from the cache
+            self._done(i)
+        if self._pool is not None:
+            try:
+                for future in as_completed(self._futures):
+                    self.reports[self._futures[future]] = future.result()
+                    self._done(self._futures[future])
+            except BaseException:   # a failed point or Ctrl-C: do not start the points still queued
+                for future in self._futures:
+                    future.cancel()
+                raise
+            finally:
+                self._pool.shutdown(wait=True)
+                self._pool, self._futures = None, {}
+        self._finished = True
+        return [self.reports[first] for first in self._first]
+
+    def _done(self, i: int) -> None:
+        """Fill in, and announce, every setting equal to the i-th once its report is there."""
+        for j, first in enumerate(self._first):
+            if first == i:
+                self.reports[j] = self.reports[i]
+                if self.on_done is not None:
+                    self.on_done(self.settings[j], self.reports[j])
 
 
 def _init_worker():

@@ -57,6 +57,19 @@ def test_verdict_words_follow_the_measurements():
     assert S.claim18_word(0.84e9, 14e9) == "wrong" and S.claim18_word(12e9, 14e9) == "plausible"
 
 
+def test_claim1_row_reads_right_at_every_world_size():
+    def layout(n):   # what shard_layout returns for the 8x4 and the 7x4 weight on n ranks
+        rows = -(-7 // n)
+        return [[{"local_shape": (-(-8 // n), 4), "placements": "(Shard(dim=0),)"},
+                 {"local_shape": (max(0, min(rows, 7 - r * rows)), 4), "storage_bytes": rows * 16}] for r in range(n)]
+
+    one = S.claim1_measured(layout(1), 1)
+    assert "nothing is cut" in one and "(8, 4)" in one and "padded" not in one and "columns" in one
+    four = S.claim1_measured(layout(4), 4)
+    assert "(2, 4)" in four and "not (8, 1) columns" in four and "2, 2, 2, 1 real rows" in four and "padded" in four
+    assert "not (8, 2) columns" in S.claim1_measured(layout(2), 2)
+
+
 def test_parameters_parse_and_world_size_is_declared(caplog):
     with caplog.at_level(logging.WARNING):
         declared = pm.inspect_notebook(str(NOTEBOOK))

@@ -65,3 +65,23 @@ def test_checker_takes_the_measured_answer_and_hints_at_a_wrong_one(reshard_1_to
     empty = check("05-reshard-reads", None, measured=measured, saved_ranks=1, loading_ranks=2)
     assert not empty.ok and "no answer yet" in empty.message
     assert "not yet" in capsys.readouterr().out                 # check() prints its verdict for the notebook
+
+
+def test_lesson_files_go_to_the_run_folder_or_a_temporary_one(tmp_path, monkeypatch):
+    from fsdplab.lessons.checkpoints import lesson_folder
+
+    monkeypatch.setenv("FSDPLAB_OUT", str(tmp_path / "run"))
+    folder, keep = lesson_folder("")
+    assert folder == (tmp_path / "run" / "05_checkpoints").resolve() and keep and folder.is_dir()
+    (folder / "old").write_text("x")
+    again, _ = lesson_folder("mine")                       # a relative path lies under the run's folder
+    assert again == (tmp_path / "run" / "mine").resolve()
+    assert lesson_folder(str(folder)) == (folder, True) and not (folder / "old").exists()   # wiped first
+    monkeypatch.delenv("FSDPLAB_OUT")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)          # re-read TMPDIR
+    temporary, keep = lesson_folder("")
+    assert not keep and temporary.parent == (tmp_path / "tmp").resolve()

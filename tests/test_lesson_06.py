@@ -76,3 +76,22 @@ def test_parameters_parse_and_world_size_is_declared(caplog):
 def test_fixed_statements_stay_fixed():
     text = NOTEBOOK.read_text()
     assert "one_gpu < gpu_gib < states" not in text and "159_907_840" not in text and "161_480_704" not in text
+
+
+def test_estimates_read_back_and_deduplicated_start_no_worker(tmp_path, monkeypatch):
+    # an estimate this run already made (FSDPLAB_ESTIMATE_CACHE) is read back, and a setting listed twice is
+    # looked up once: with every setting cached, no worker process starts
+    from fsdplab import memory
+    from fsdplab.sweep import start_estimates
+
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    plain, ckpt = full_finetune_settings()
+    for setting, peak in ((plain, 28), (ckpt, 21)):
+        path = memory._cache_path(setting)
+        path.write_text(memory.MemoryReport(peak_bytes=peak, by_category={}, world_size=8).to_json())
+    seen = []
+    pending = start_estimates([plain, ckpt, plain], on_done=lambda s, r: seen.append(r.peak_bytes))
+    assert pending._pool is None
+    reports = pending.result()
+    assert [r.peak_bytes for r in reports] == [28, 21, 28] and sorted(seen) == [21, 28, 28]
+    assert "reused" in reports[0].notes[-1] and pending.result() == reports and len(seen) == 3

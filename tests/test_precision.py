@@ -31,7 +31,9 @@ def test_norm_kernels_hold_in_fp16_until_the_input_overflows():
 
 
 def test_curve_spread_skips_nan():
-    spread = P.curve_spread({"fp32": [1.0, 2.0], "bf16": [1.1, 2.0], "fp16 model": [1.0, float("nan")]})
+    from fsdplab.lessons.mixed_precision import curve_spread
+
+    spread = curve_spread({"fp32": [1.0, 2.0], "bf16": [1.1, 2.0], "fp16 model": [1.0, float("nan")]})
     assert spread["bf16"] == pytest.approx(0.1) and spread["fp16 model"] == 0.0
 
 
@@ -111,6 +113,17 @@ def test_reduce_error_by_dtype(cluster):
     fp16 = cluster.run(P.reduce_error_on_rank, "fp16", 1.0, CFG)
     assert fp32[0] == fp32[1] and fp32[0]["rel_error"] < 1e-6
     assert 1e-5 < fp16[0]["rel_error"] < 1e-2 and fp16[0]["nonfinite"] == 0
+
+
+def test_a_group_of_the_cluster_runs_alone(cluster):
+    # lesson 04 starts one cluster and runs smaller groups on its first ranks; the others return None
+    from fsdplab.lessons.mixed_precision import on_group
+
+    alone = cluster.run(P.reduce_error_on_rank, "fp32", 1.0, CFG, group_size=1)
+    assert alone[1] is None and alone[0]["world_size"] == 1 and alone[0]["rel_error"] < 1e-6
+    curves = on_group(cluster, 1, P.train_curve_on_rank, "fp32", 2, CFG)
+    assert len(curves) == 1 and all(math.isfinite(v) for v in curves[0])
+    assert on_group(cluster, 1, P.scaler_agreement_on_rank, "agree", steps=2, inf_step=1, inf_rank=0, cfg=CFG)[0]["stepped"] == [True, False]
 
 
 def test_fp16_model_goes_nan_and_bf16_trains(cluster):

@@ -19,9 +19,15 @@ def full_finetune_settings() -> list:
 
 def full_finetune_reports(workers: int = 2) -> list:
     """Exact per-GPU reports (fake tensors) for full_finetune_settings(), in order: [no checkpointing, with]."""
-    from ..sweep import estimate_all
+    return start_full_finetune_reports(workers).result()
 
-    return estimate_all(full_finetune_settings(), workers=workers)
+
+def start_full_finetune_reports(workers: int = 2):
+    """full_finetune_reports() started in worker processes, returning at once (a lesson starts them before
+    its live ranks and collects them later): `.result()` gives [no checkpointing, with]."""
+    from ..sweep import start_estimates
+
+    return start_estimates(full_finetune_settings(), workers=workers)
 
 
 def full_finetune_verdict(reports, gpu_gib: float = A10_GIB) -> str:

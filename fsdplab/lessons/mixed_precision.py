@@ -1,11 +1,14 @@
 """Lesson 04 (mixed precision pitfalls) only: the claims' verdicts as functions of what the lesson measured,
-and the exercise checker that answers with the lab's own gradients.
+the exercise checker that answers with the lab's own gradients, running a `precision.*_on_rank` function on
+a group of the lesson's one cluster, and the lesson's figures.
 
 Claim 9: "fp16 MixedPrecision; the optimizer keeps fp32". Claim 10: "`mixed_precision=torch.float16`; keep
 LayerNorm in fp32 via `reduce_dtype=torch.float32`".
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -59,3 +62,111 @@ def _loss_scale(answer, *, grads, shrink):
                        "it would be inf and the scaler would skip the step. Scale down.")
     return True, (f"at {scale:g} no gradient flushes to 0 and the largest is {biggest:.3g} < {FP16_MAX:g}; "
                   f"the safe window for these gradients runs from {low:g} to {high:.3g}.")
+
+
+# --- one cluster, groups of its ranks ---------------------------------------------------------------
+
+def on_group(cluster, group_size: int, fn, *args, **kwargs) -> list:
+    """`cluster.run(fn, ..., group_size=group_size)`: `fn` (a `precision.*_on_rank` function) runs on ranks
+    0..group_size-1 of the lesson's one cluster; returns those ranks' values, in rank order."""
+    return cluster.run(fn, *args, group_size=group_size, **kwargs)[:group_size]
+
+
+# --- figures ---------------------------------------------------------------------------------------
+
+def draw_ranges(fig, norms: dict, shrinks, underflow: dict):
+    """Left: relative error of each real norm module's output in fp16 / bf16 vs activation size (`norm_errors`),
+    a non-finite output drawn as x at the top, the scales where fp16 cannot hold the input shaded.
+    Right: fraction of real gradients that become 0 in each dtype / loss scale vs how small they are."""
+    ax_norm, ax_under = fig.subplots(1, 2)
+    scales, top = norms["scales"], 2.0
+    styles = {"LayerNorm": ("o", "-"), "RMSNorm": ("s", "--"), "naive RMSNorm": ("^", ":")}
+    colours = {"fp16": "tab:red", "bf16": "tab:blue"}
+    for (name, dtype), errs in norms["errors"].items():
+        marker, ls = styles.get(name, ("o", "-"))
+        ax_norm.plot(scales, [e if math.isfinite(e) else float("nan") for e in errs], marker=marker, ls=ls,
+                     color=colours.get(dtype), alpha=0.8, label=f"{name}, {dtype}")
+        bad = [s for s, e in zip(scales, errs) if not math.isfinite(e)]
+        ax_norm.plot(bad, [top] * len(bad), "x", color=colours.get(dtype), markersize=10)
+    first_inf = next((s for s, f in zip(scales, norms["input_inf"].get("fp16", [])) if f > 0), None)
+    if first_inf is not None:
+        ax_norm.axvspan(first_inf, scales[-1] * 1.5, color="tab:red", alpha=0.08,
+                        label=f"fp16 input holds inf (|x| > {torch.finfo(torch.float16).max:g}); x: output NaN")
+    ax_norm.set(xscale="log", yscale="log", ylim=(1e-7, top * 2), xlabel="activation RMS (scale of x)",
+                ylabel="relative error of the norm's output", title="norm layers in fp16 and bf16 (real modules)")
+    ax_norm.legend(fontsize=6.5, loc="lower left", ncol=2)
+    for label, fractions in underflow.items():
+        ax_under.plot(shrinks, fractions, marker="o", label=label)
+    ax_under.set(xscale="log", xlabel="gradient size (x the tiny model's real gradients)",
+                 ylabel="fraction of non-zero gradients that become 0", title="gradients: underflow to zero")
+    ax_under.invert_xaxis()
+    ax_under.legend(fontsize=7)
+    fig.tight_layout()
+
+
+def draw_scalers(fig, runs: dict, inf_step: int):
+    """Per scaler kind: each rank's loss scale per step, and each rank's shard checksum minus the agreeing
+    run's (0 = the same parameters)."""
+    ax_scale, ax_sum = fig.subplots(1, 2)
+    agree = {r["rank"]: r for r in runs["agree"]}
+    for kind, ranks in runs.items():
+        for r in ranks:
+            style = "-" if kind == "agree" else "--"
+            # Agreeing ranks draw wide and pale, so the per-rank lines on top of them stay visible.
+            look = dict(lw=6, alpha=0.35) if kind == "agree" else dict(marker="os"[r["rank"] % 2])
+            ax_scale.plot(r["scales"], style, label=f"{kind}, rank {r['rank']}", **look)
+            diff = [abs(a - b) for a, b in zip(r["checksums"], agree[r["rank"]]["checksums"])]
+            if kind != "agree":
+                ax_sum.plot(diff, style, marker="o", label=f"{kind} vs agree, rank {r['rank']}")
+    for ax in (ax_scale, ax_sum):
+        ax.axvline(inf_step, color="gray", ls=":", label="inf on one rank")
+        ax.set_xlabel("step")
+        ax.set_xticks(range(len(runs["agree"][0]["scales"])))
+        ax.legend(fontsize=7)
+    ax_scale.set(ylabel="loss scale", yscale="log", title="loss scale per rank")
+    ax_sum.set(ylabel="|shard checksum - agreeing run's|", title="parameters vs the agreeing scaler")
+    fig.tight_layout()
+
+
+def curve_spread(curves: dict, reference: str = "fp32") -> dict:
+    """{mode: largest |loss - reference loss| over the steps where the mode's loss is finite}."""
+    return {mode: max((abs(a - b) for a, b in zip(losses, curves[reference]) if math.isfinite(a)), default=float("nan"))
+            for mode, losses in curves.items() if mode != reference}
+
+
+def draw_curves(fig, curves: dict, title: str = ""):
+    """Left: loss per step for each precision mode. The finite curves lie on top of each other, so each mode
+    gets its own marker, placed on different steps, and the panel states the largest distance from fp32; a
+    mode that turned NaN is marked where it did. Right: each mode's |loss - fp32 loss| per step, log scale
+    (where the modes actually differ)."""
+    ax, ax_diff = fig.subplots(1, 2)
+    markers = "osD^v"
+    spread = curve_spread(curves)
+    for k, (mode, losses) in enumerate(curves.items()):
+        line, = ax.plot(range(len(losses)), losses, label=mode, lw=2.5 if mode == "fp32" else 1.2,
+                        ls="-" if mode in ("fp32", "bf16") else "--", marker=markers[k % len(markers)],
+                        markevery=(k, len(curves)), markersize=6, alpha=0.85)
+        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad is not None:
+            last = losses[bad - 1] if bad else losses[0]
+            ax.plot([bad], [last], "X", color=line.get_color(), markersize=12)
+            ax.annotate(f"{mode}: NaN from step {bad}", (bad, last), xytext=(15, -25), textcoords="offset points",
+                        fontsize=8, color=line.get_color(), arrowprops={"arrowstyle": "-", "color": "gray"})
+        if mode != "fp32":
+            diff = [abs(a - b) if math.isfinite(a) else float("nan") for a, b in zip(losses, curves["fp32"])]
+            ax_diff.plot(range(len(diff)), [max(d, 1e-9) for d in diff], marker=".", color=line.get_color(),
+                         label=mode)
+    finite = {m: v for m, v in spread.items() if math.isfinite(v) and all(map(math.isfinite, curves[m]))}
+    if finite:
+        worst = max(finite, key=finite.get)
+        ax.text(0.02, 0.03, f"the curves overlap: the finite ones stay within {finite[worst]:.1e} nats of fp32\n"
+                f"(largest: {worst}); markers sit on different steps so each is visible",
+                transform=ax.transAxes, fontsize=7.5, va="bottom",
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+    ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)", title="loss")
+    ax.legend(fontsize=8)
+    ax_diff.set(yscale="log", xlabel="step", ylabel="|loss - fp32 loss| (nats)", title="distance from fp32")
+    ax_diff.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()

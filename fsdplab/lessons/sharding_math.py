@@ -92,6 +92,25 @@ def claim1_word(layouts, world_size: int) -> str:
     return "right" if shapes == {(8, math.ceil(4 / world_size))} else "unclear"
 
 
+def claim1_measured(layouts, world_size: int) -> str:
+    """The "measured here" text of claim 1's row, from `shard_layout`'s rows of the 8x4 and 7x4 weights: what
+    each rank keeps, against the column split the claim expects; at one rank, that nothing is cut."""
+    local_8x4 = sorted({rows[0]["local_shape"] for rows in layouts})
+    real_7x4 = [rows[1]["local_shape"][0] for rows in layouts]                 # the rows each rank really holds
+    buffer_7x4 = {rows[1]["storage_bytes"] // (4 * 4) for rows in layouts}     # fp32 rows of 4 in its storage
+    placement = layouts[0][0]["placements"].removeprefix("(").removesuffix(",)")
+    if world_size == 1:
+        return (f"on 1 rank the 8x4 weight stays whole, {local_8x4[0]} (`{placement}` over one rank), and the 7x4 "
+                f"one keeps all {real_7x4[0]} rows: nothing is cut, so rows vs columns cannot show; run with 2 or "
+                "more ranks")
+    text = (f"8x4 on {world_size} ranks: each keeps {', '.join(map(str, local_8x4))} (`{placement}`, whole rows), "
+            f"not (8, {math.ceil(4 / world_size)}) columns")
+    if len(set(real_7x4)) > 1:
+        text += (f"; a 7x4 weight leaves the ranks {', '.join(map(str, real_7x4))} real rows in buffers of "
+                 f"{', '.join(map(str, sorted(buffer_7x4)))} rows each: the short shards are padded")
+    return text
+
+
 def claim2_word(ddp_state_bytes: list, sharded_state_bytes: list) -> str:
     """Claim 2 ("DP and DDP differ in replica counts"; ZeRO-2 keeps one gradient copy) from the per-rank model
     state of DDP and of a sharded strategy at each group size (two or more sizes needed)."""
