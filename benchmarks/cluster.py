@@ -144,7 +144,8 @@ def fault_rows(world_size: int, hang_timeout: float) -> list:
         cluster.execute("for i in range(100_000):\n    print('line', i)", timeout=300)
         cluster.quiet = True
     rows.append(("100,000 lines per rank reach the notebook", time.perf_counter() - t,
-                 f"{sink.getvalue().count(chr(10)):,} lines written"))
+                 f"{sink.getvalue().count(chr(10)):,} lines shown for {100_000 * world_size:,} printed "
+                 "(a line all ranks print at once is shown once)"))
 
     import _thread
     import threading
