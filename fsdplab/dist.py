@@ -289,6 +289,17 @@ def call(fn, args: tuple, kwargs: dict):
         _STATE["now"] = None
 
 
+def _blank_head(text: str) -> int:
+    lines = text.splitlines()
+    return next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+
+
+def _keep_line_numbers(source: str, transformed: str) -> str:
+    """IPython drops a cell's leading blank lines: put them back, so that line numbers in tracebacks and hang
+    stacks point at the lines of `source` (which is what the traceback shows)."""
+    return "\n" * max(0, _blank_head(source) - _blank_head(transformed)) + transformed
+
+
 def run_source(source: str, filename: str):
     """Run a %%ranks cell (IPython syntax allowed) in this rank's namespace, under `filename`."""
     import linecache
@@ -299,7 +310,7 @@ def run_source(source: str, filename: str):
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     _running(filename)
     try:
-        code = compile(shell.transform_cell(source), filename, "exec")
+        code = compile(_keep_line_numbers(source, shell.transform_cell(source)), filename, "exec")
         exec(code, shell.user_ns)
     except BaseException as exc:  # noqa: BLE001
         return Failure.of(exc)

@@ -310,3 +310,11 @@ def test_status_magic_prints_the_table(cluster, capsys):
     status_magic("", {"c": cluster})
     out = capsys.readouterr().out
     assert "RSS" in out and str(cluster.pids[1]) in out
+
+
+def test_line_numbers_count_the_sources_leading_blank_lines(cluster):
+    # IPython drops leading blank lines before it compiles; the traceback shows the source as given.
+    with pytest.raises(fsdplab.RankError) as info:
+        cluster.execute("\n\nx = 1\nraise ValueError('here')\n", ranks=0)
+    assert "line 4" in str(info.value).splitlines()[0]
+    assert "raise ValueError('here')" in str(info.value)
