@@ -70,6 +70,20 @@ def test_claim1_row_reads_right_at_every_world_size():
     assert "not (8, 2) columns" in S.claim1_measured(layout(2), 2)
 
 
+def test_claim_rows_2_3_12_say_what_one_rank_cannot_show():
+    from fsdplab.settings import MIB
+
+    params, state = 1000, 16_000
+    one2 = S.claim2_measured([state], state, params, [1], 3 * MIB, 3 * MIB)
+    assert "16.00 B/param" in one2 and "from 2 ranks on" in one2 and "DP too" not in one2
+    two2 = S.claim2_measured([state, state], state // 2, params, [1, 2], 5 * MIB, 4 * MIB)
+    assert "8.00 B/param at N=2" in two2 and "5.00 vs 4.00 MiB" in two2
+    assert "no N to divide" in S.claim3_measured(state, state, 2 * state, params, 1)
+    assert "1.000 x 16P/N at N=2" in S.claim3_measured(state, state // 2, state, params, 2)
+    assert "nothing is sharded" in S.claim12_measured(4 * MIB, 4 * MIB, 1)
+    assert "(50% lower) on 4 ranks" in S.claim12_measured(4 * MIB, 2 * MIB, 4)
+
+
 def test_parameters_parse_and_world_size_is_declared(caplog):
     with caplog.at_level(logging.WARNING):
         declared = pm.inspect_notebook(str(NOTEBOOK))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..exercises import close, exercise
-from ..settings import GIB
+from ..settings import GIB, MIB
 
 NOT_AT_ONE_RANK = "not tested at world size 1"
 
@@ -135,6 +135,36 @@ def claim12_word(whole_model_peak: int, per_block_peak: int, world_size: int) ->
     if world_size == 1:
         return NOT_AT_ONE_RANK
     return "partly" if whole_model_peak > 1.05 * per_block_peak else "right"
+
+
+def claim2_measured(ddp_state_bytes: list, full_state_last: int, params: int, world_sizes: list,
+                    sgo_peak: int, full_peak: int) -> str:
+    """The "measured here" text of claim 2's row; at one rank, that there is nothing to replicate or shard."""
+    last = world_sizes[-1]
+    if last == 1:
+        return (f"on 1 rank every strategy keeps the whole model state, {ddp_state_bytes[0] / params:.2f} B/param: "
+                "replicas and shards only differ from 2 ranks on")
+    return (f"DDP holds {ddp_state_bytes[0] / params:.2f} B/param on every rank at N = {world_sizes} (DP too: N full "
+            f"replicas); sharded strategies hold {full_state_last / params:.2f} B/param at N={last}. FSDP2's "
+            f"SHARD_GRAD_OP keeps the same shards at rest as FULL_SHARD and differs in the peak ({sgo_peak / MIB:.2f} "
+            f"vs {full_peak / MIB:.2f} MiB): parameters stay gathered from forward to backward")
+
+
+def claim3_measured(state_bytes: int, full_state_last: int, full_peak: int, params: int, last: int) -> str:
+    """The "measured here" text of claim 3's row; at one rank there is no N to divide by."""
+    per_param = f"model state is {state_bytes / params:.0f} B/param (not 3x)"
+    if last == 1:
+        return per_param + "; on 1 rank there is no N to divide it by: run with 2 or more ranks"
+    return (f"{per_param}, and FULL_SHARD divides it by N: {full_state_last / (16 * params / last):.3f} x 16P/N at "
+            f"N={last}; the step peak is {full_peak / (16 * params / last):.2f} x 16P/N")
+
+
+def claim12_measured(whole_model_peak: int, per_block_peak: int, last: int) -> str:
+    """The "measured here" text of claim 12's row; at one rank nothing is gathered, so wrapping cannot show."""
+    peaks = f"whole-model wrapping peaks at {whole_model_peak / MIB:.2f} MiB vs {per_block_peak / MIB:.2f} MiB per block"
+    if last == 1:
+        return peaks + " on 1 rank, where nothing is sharded or gathered: run with 2 or more ranks"
+    return f"{peaks} ({1 - per_block_peak / whole_model_peak:.0%} lower) on {last} ranks"
 
 
 def claim17_word(mixed_state_bytes: int, pure_bf16_peak_bytes: int, card_gib: float = 80.0) -> str:
