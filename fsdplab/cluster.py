@@ -16,8 +16,9 @@ How the pieces fit:
   warm where memory allows, so restart() only has to join a group;
 - fsdplab.waiting waits on calls and raises the faults (fsdplab.faults); fsdplab.processes knows the
   machine's capacity and kills what was started; fsdplab.slurm runs the ranks on the nodes of a Slurm
-  cluster instead (launcher="slurm"): the kernel and the controller stay here, ranks by node and
-  index on the node, rank 0's routable address as MASTER_ADDR, faults told over the network.
+  cluster instead (launcher="slurm"), fsdplab.launchers under mpiexec or over ssh ("mpi", "ssh"): the
+  kernel and the controller stay here, ranks by node and index on the node, rank 0's routable address
+  as MASTER_ADDR, faults told over the network.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import threading
 import time
 import weakref
 
-from . import hang, slurm
+from . import hang, launchers, slurm
 from .faults import RankDied, RankError, RankHang, _running_text, _status_table
 from .processes import (_alive, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
                         check_capacity, choose_backend, free_port, gpu_count, max_world_size)
@@ -42,8 +43,7 @@ from .waiting import Waiting
 __all__ = ["Cluster", "RankError", "RankHang", "RankDied", "free_port", "gpu_count", "choose_backend",
            "max_world_size", "check_capacity"]
 
-LAUNCHERS = ("local", "slurm")
-_SLURM_ONLY = ("nodes", "gpus_per_node", "partition", "time_limit", "sbatch_args", "slurm_conf", "address")
+LAUNCHERS = launchers.LAUNCHERS
 
 
 class Cluster(Waiting):
@@ -60,6 +60,11 @@ class Cluster(Waiting):
     options, e.g. ["--account=proj"]), `slurm_conf` (default $SLURM_CONF), `address` (where the nodes
     reach this machine; default what its host name resolves to). `start_timeout`: seconds the ranks
     may take to connect (a Slurm job still pending then is cancelled, with Slurm's reason).
+
+    launcher="mpi": one mpiexec starts the ranks on `hosts` (world_size // len(hosts) each; None: this
+    machine), `mpi_args` appended to its command line. launcher="ssh": ssh starts them on `hosts`
+    ([user@]name[:port]), with `ssh_args` (e.g. ["-i", KEY]) and `remote_python` (default: this
+    Python's path). Both keep the kernel and the controller here (fsdplab.launchers).
     """
 
     _latest = None  # weak reference to the most recently started cluster (what %%ranks uses by default)
@@ -75,23 +80,14 @@ class Cluster(Waiting):
                  spares: bool = True, output: str = "lines", launcher: str = "local", nodes: int | None = None,
                  gpus_per_node: int | None = None, partition: str | None = None, time_limit: str | None = None,
                  sbatch_args: list | None = None, slurm_conf: str | None = None, address: str | None = None,
-                 start_timeout: float = 120.0):
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"launcher is one of {', '.join(map(repr, LAUNCHERS))}, got {launcher!r}: 'local' "
-                             "runs the ranks on this machine, 'slurm' on the nodes of a Slurm cluster.")
-        self.launcher, self._slurm = launcher, None
-        given = dict(nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time_limit=time_limit,
-                     sbatch_args=sbatch_args, slurm_conf=slurm_conf, address=address)
-        if launcher == "local":
-            self.backend = choose_backend(world_size, backend)
-            extra = [k for k in _SLURM_ONLY if given[k] is not None]
-            if extra:
-                raise ValueError(f"{', '.join(extra)} only apply to launcher='slurm' (this is launcher='local', "
-                                 "ranks on this machine): add launcher='slurm' or leave them out.")
-        else:
-            choose_backend(world_size, "gloo")  # checks world_size
-            self._slurm, self.backend = slurm.options(world_size, backend, **{**given, "nodes": nodes or 1})
-            spares = False  # a spare set would be a second Slurm job holding nodes idle
+                 start_timeout: float = 120.0, hosts: list | None = None, mpi_args: list | None = None,
+                 ssh_args: list | None = None, remote_python: str | None = None):
+        self.launcher = launcher
+        self._remote, self.backend = launchers.options(launcher, world_size, backend, dict(
+            nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time_limit=time_limit,
+            sbatch_args=sbatch_args, slurm_conf=slurm_conf, address=address, hosts=hosts, mpi_args=mpi_args,
+            ssh_args=ssh_args, remote_python=remote_python))
+        spares = spares if self._remote is None else False  # elsewhere spares would hold nodes idle
         if output not in ("lines", "tabs"):
             raise ValueError(f"output is 'lines' (labelled lines, the default) or 'tabs' (one tab per rank in "
                              f"JupyterLab), got {output!r}.")
@@ -106,7 +102,7 @@ class Cluster(Waiting):
         _check_timeout(timeout)
         _check_timeout(collective_timeout, "collective_timeout")
         _check_timeout(start_timeout, "start_timeout")
-        if self.backend == "gloo" and launcher == "local":
+        if self.backend == "gloo" and (self._remote is None or getattr(self._remote, "hosts", None) == ()):
             check_capacity(world_size)
         self.world_size, self.timeout, self.collective_timeout = world_size, timeout, collective_timeout
         self.start_timeout = start_timeout
@@ -133,7 +129,7 @@ class Cluster(Waiting):
             # The watcher first: a kernel killed at any moment of start-up leaves nothing behind.
             self._start_reaper()
             self._finalizer = weakref.finalize(self, _cleanup, None, self._known_pids, self._reaper, self._workdir,
-                                               self._jobs, self._slurm_env())
+                                               self._jobs, self._remote_env())
             try:
                 self._start_processes()
                 self._join_group()
@@ -143,8 +139,8 @@ class Cluster(Waiting):
             Cluster._latest = weakref.ref(self)
             self._start_spares(only_if_wanted=True)
             if not self.quiet:
-                where = (f", {self._slurm.nodes} node(s) x {self._slurm.per_node} (Slurm job "
-                         f"{', '.join(self._jobs)})" if self._slurm else "")
+                how = "Slurm job " + ", ".join(self._jobs) if self._jobs else f"launcher={self.launcher!r}"
+                where = f", {self._remote.nodes} node(s) x {self._remote.per_node} ({how})" if self._remote else ""
                 print(f"fsdplab: {self.world_size} rank(s) ready on {self.backend} "
                       f"({'one GPU per rank' if self.backend == 'nccl' else f'CPU, {self._threads} thread(s) each'}"
                       f"{where}) in {time.perf_counter() - t0:.1f} s")
@@ -152,12 +148,13 @@ class Cluster(Waiting):
 
     @property
     def _threads(self) -> int:
-        if self._slurm is not None:  # a Slurm task gets one CPU unless sbatch_args ask for more
+        if self.launcher == "slurm":  # a Slurm task gets one CPU unless sbatch_args ask for more
             return int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) if self.backend == "gloo" else 4
-        return max(1, (os.cpu_count() or 1) // self.world_size) if self.backend == "gloo" else 4
+        per_machine = self._remote.per_node if self._remote is not None else self.world_size  # hosts like this one
+        return max(1, (os.cpu_count() or 1) // per_machine) if self.backend == "gloo" else 4
 
-    def _slurm_env(self) -> dict | None:
-        return self._slurm.env if self._slurm is not None else None
+    def _remote_env(self) -> dict | None:
+        return self._remote.env if self._remote is not None else None
 
     def _engine_env(self) -> dict:
         # torch's flight recorder keeps the last collectives of each rank for the hang explainer.
@@ -172,38 +169,31 @@ class Cluster(Waiting):
         # The controller registers an engine only after a heartbeat; the default 3 s period alone made
         # start-up take 7 s instead of 2. Schedulers as threads: one controller process.
         controller_args = ["--HeartMonitor.period=500", "--IPController.use_threads=True"]
-        where = {}
-        if self._slurm is not None:
-            # Listen where the nodes reach this machine; drop an engine after 3 s of missed heartbeats
-            # (how a rank on another node that died is noticed when its node cannot say).
-            where = dict(engines="slurm", controller_ip=self._slurm.address,
-                         controller_location=self._slurm.address)
+        if self._remote is not None:
+            # Listen where the nodes reach this machine (launchers.where); drop an engine after 3 s of missed
+            # heartbeats (how a rank on another node that died is noticed when its node cannot say).
             controller_args.append("--HeartMonitor.max_heartmonitor_misses=6")
         self._ipp = ipp.Cluster(
             n=self.world_size, log_level=logging.ERROR, cluster_id=f"fsdplab-{os.getpid()}-{id(self)}",
             profile_dir=os.path.join(self._workdir, "profile"), shutdown_atexit=False,
-            controller_args=controller_args, **where)
+            controller_args=controller_args, **launchers.where(self._remote))
         engines = self._ipp.config.LocalEngineSetLauncher
-        if self._slurm is not None:
-            engines = self._ipp.config.SlurmEngineSetLauncher
-            slurm.configure(self._ipp, self._slurm, env)
-            engines.batch_file_name = self._path("slurm_engines.sbatch")
-        else:
-            engines.environment = env
-        self._ipp.config.LocalControllerLauncher.environment = env
+        engines.environment = self._ipp.config.LocalControllerLauncher.environment = env
         # No nanny process per engine: the kernel watches and signals the ranks itself.
         engines.engine_args = ["--IPEngine.enable_nanny=False"]
         engines.engine_cmd = [sys.executable, "-m", "fsdplab._engine"]
+        launchers.configure(self._ipp, self._remote, env, self._path)  # Slurm, mpiexec or ssh: from these
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self._ipp, self._known_pids, self._reaper,
-                                           self._workdir, self._jobs, self._slurm_env())
+                                           self._workdir, self._jobs, self._remote_env())
         self._ipp.start_controller_sync()
         self._write_pidfile()
         try:
             self._ipp.start_engines_sync(self.world_size)
-        except subprocess.CalledProcessError as error:  # sbatch refused the job
-            raise RuntimeError(f"sbatch refused the job (exit code {error.returncode}; its message is "
-                               "printed above): check nodes=, partition=, time_limit= and sbatch_args=.") from None
+        except Exception as error:  # sbatch refused the job, or ssh failed: say what to check
+            if launchers.refused(self.launcher, error) is None:
+                raise
+            raise RuntimeError(launchers.refused(self.launcher, error)) from None
         self._jobs[:] = slurm.job_ids(self._ipp)
         self._write_pidfile()
         self._client = self._ipp.connect_client_sync()
@@ -218,7 +208,7 @@ class Cluster(Waiting):
         self._start_spares(only_if_wanted=False)
 
     def _start_spares(self, only_if_wanted: bool) -> None:
-        if self._ipp is None or self._slurm is not None or getattr(self, "_spare_set", None) is not None:
+        if self._ipp is None or self._remote is not None or getattr(self, "_spare_set", None) is not None:
             return
         # Idle spares cost memory: keep them only where twice the ranks fit (at a fault, where one more
         # set does: the old ranks are about to go).
@@ -235,14 +225,14 @@ class Cluster(Waiting):
     def _restart_on_spares(self) -> bool:
         """Replace the ranks, keeping the controller: by the spares started at the fault, or (Slurm) by a new
         job once the old one has left the queue; False if not possible."""
-        new_job = self._slurm is not None and bool(self._jobs)
+        new_job = self._remote is not None and bool(self._jobs)
         if self._ipp is None or self._client is None or not (new_job or getattr(self, "_spare_set", None)):
             return False
         controller = self._controller_pid()
         if controller is None or not _alive(__import__("psutil").Process(controller)):
             return False
         if new_job:
-            if slurm.cancel(self._jobs, self._slurm.env):
+            if slurm.cancel(self._jobs, self._remote.env):
                 return False
             self._ipp.engines.pop(self._rank_set, None)
             self._spare_set = self._ipp.start_engines_sync(self.world_size)
@@ -270,10 +260,12 @@ class Cluster(Waiting):
             now = time.monotonic()
             if self._jobs and (now > next_look or now > deadline):  # a Slurm job that failed or still waits
                 next_look = now + 1.0
-                problem = slurm.start_problem(self._jobs[0], self._slurm.env, now - t0, now > deadline)
+                problem = slurm.start_problem(self._jobs[0], self._remote.env, now - t0, now > deadline)
                 if problem:
-                    left = slurm.cancel(self._jobs, self._slurm.env)
+                    left = slurm.cancel(self._jobs, self._remote.env)
                     raise RuntimeError(problem + (f" (squeue still lists {left})" if left else ""))
+            elif self.launcher == "mpi" and launchers.mpiexec_ended(self._ipp):  # e.g. a host it cannot reach
+                raise RuntimeError(launchers.mpiexec_ended(self._ipp))
             elif now > deadline:
                 raise RuntimeError(f"{self.world_size} rank process(es) did not start within {self.start_timeout:g} "
                                    f"s; see the engine logs in {self._workdir}/profile/log, or try a smaller "
@@ -286,8 +278,9 @@ class Cluster(Waiting):
         from . import dist
 
         self._client[self._engine_ids].use_cloudpickle()
-        if self._slurm is not None:
-            self._engine_ids, self._info, self._procs = slurm.join_group(self)
+        if self._remote is not None:
+            join = slurm.join_group if self.launcher == "slurm" else launchers.join_group
+            self._engine_ids, self._info, self._procs = join(self)
             return self._joined()
         # Rank 0 binds the group's store to a loopback port the OS picks, so no port can be taken.
         port = self._client[self._engine_ids[0]].apply_async(
@@ -327,9 +320,7 @@ class Cluster(Waiting):
     def _all_pids(self) -> list:
         """Processes on this machine (a rank on another node is not one: its Slurm job is)."""
         pids = [p.pid for p in self._procs.values() if not isinstance(p, RemoteRank)]
-        if self._ipp is not None:
-            for engine_set in list(self._ipp.engines.values()):
-                pids += [launcher.pid for launcher in list(getattr(engine_set, "launchers", {}).values())]
+        pids += launchers.local_pids(self._ipp)  # never the pid of a rank an ssh launcher started elsewhere
         controller = self._controller_pid()
         return sorted(set(pids + ([controller] if controller else [])))
 
@@ -341,7 +332,7 @@ class Cluster(Waiting):
         os.replace(tmp, self._path("pids"))
         if self._jobs:  # the watcher cancels these if the kernel dies
             with open(tmp, "w") as f:
-                json.dump({"jobs": self._jobs, "slurm_conf": self._slurm.env.get("SLURM_CONF")}, f)
+                json.dump({"jobs": self._jobs, "slurm_conf": self._remote.env.get("SLURM_CONF")}, f)
             os.replace(tmp, self._path("slurm_jobs"))
 
     def _start_reaper(self):
@@ -361,8 +352,9 @@ class Cluster(Waiting):
     def _shutdown(self) -> None:
         survivors, left = [], []
         if self._jobs:  # first: the ranks' job; its steps stop while the controller is still there
-            left = slurm.cancel(self._jobs, self._slurm.env)
+            left = slurm.cancel(self._jobs, self._remote.env)
             self._jobs[:] = left
+        remote_left = launchers.stop_remote(self)  # mpiexec or ssh: the ranks on every host
         if self._ipp is not None or self._procs:
             # Nothing on the ranks is worth saving (a stuck rank ignores polite signals anyway), and
             # ipyparallel's graceful engine shutdown alone takes seconds.
@@ -377,10 +369,10 @@ class Cluster(Waiting):
             self._finalizer()  # ipyparallel's bookkeeping, the watcher, the scratch folder
         self._client = self._ipp = self._reaper = self._finalizer = None
         self._procs, self._engine_ids, self._workdir = {}, [], None
-        if survivors or left:
+        if survivors or left or remote_left:
             raise RuntimeError("these processes of the cluster did not die: " + ", ".join(
                 [f"pid {p.pid} ({' '.join(_cmdline(p))[:80]})" for p in survivors]
-                + [f"Slurm job {j} (squeue still lists it)" for j in left]))
+                + [f"Slurm job {j} (squeue still lists it)" for j in left] + remote_left))
 
     def restart(self) -> "Cluster":
         """Kill the ranks (even stuck ones) and start a fresh group with the same settings."""
@@ -405,7 +397,7 @@ class Cluster(Waiting):
 
     def __repr__(self):
         state = "stopped" if self._client is None else ("broken: " + self._broken if self._broken else "running")
-        where = f", launcher='slurm', nodes={self._slurm.nodes}" if self._slurm is not None else ""
+        where = f", launcher={self.launcher!r}, nodes={self._remote.nodes}" if self._remote is not None else ""
         return f"Cluster(world_size={self.world_size}, backend={self.backend!r}{where}, {state})"
 
     # --- work ---------------------------------------------------------------------------------

@@ -242,17 +242,18 @@ def rank_order(places: list) -> list:
     return sorted(range(len(places)), key=key)
 
 
-def join_group(cluster) -> tuple[list, list, dict]:
+def join_group(cluster, places: list | None = None) -> tuple[list, list, dict]:
     """Make `cluster`'s engines one process group: ranks by (node, index on the node) from Slurm's task
-    variables, rank 0's routable address as MASTER_ADDR (the store listens there), and each rank
-    answering the kernel on TCP (no shared scratch folder). Returns engine ids in rank order, what each
-    rank's setup returned, and rank -> RemoteRank."""
+    variables (or `places`: each engine's place as another launcher found it), rank 0's routable address
+    as MASTER_ADDR (the store listens there), and each rank answering the kernel on TCP (no shared scratch
+    folder). Returns engine ids in rank order, what each rank's setup returned, and rank -> RemoteRank."""
     import secrets
 
     from . import dist
 
-    opts, client = cluster._slurm, cluster._client
-    places = client[cluster._engine_ids].apply_async(placement).get(timeout=120)
+    opts, client = cluster._remote, cluster._client
+    if places is None:
+        places = client[cluster._engine_ids].apply_async(placement).get(timeout=120)
     order = rank_order(places)
     engine_ids = [cluster._engine_ids[i] for i in order]
     places = [places[i] for i in order]
