@@ -6,11 +6,18 @@ own (another world size, a fresh start) makes it itself; `fault_on_fresh_pair` d
 that must be reported in time and recovered from.
 """
 
+import signal
 import time
 
 import pytest
 
 import fsdplab
+
+# The interrupt tests need SIGINT handled, as a Jupyter kernel handles it. A shell's background job
+# (`bash .ci/run &`) starts with SIGINT ignored, which Python keeps, and `_thread.interrupt_main()` then does
+# nothing; restore Python's handler (child processes, the multi-node scenarios among them, inherit it).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _healthy(cluster) -> bool:
