@@ -29,7 +29,7 @@ from torch import nn
 
 from . import safe_files as files
 from .dist import this_rank, this_world_size
-from .safe_files import CheckpointDiskFull  # noqa: F401 - callers catch it as checkpoint.CheckpointDiskFull
+from .safe_files import CheckpointDiskFull  # raised below; callers catch it as checkpoint.CheckpointDiskFull
 
 LATEST = "latest"
 

@@ -35,7 +35,7 @@ import weakref
 
 from . import hang, launchers, slurm
 from .faults import RankDied, RankError, RankHang, _running_text, _status_table
-from .processes import (_alive, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
+from .processes import (_alive, _check_output, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
                         check_capacity, choose_backend, free_port, gpu_count, max_world_size)
 from .slurm import RemoteRank
 from .waiting import Waiting
@@ -88,9 +88,7 @@ class Cluster(Waiting):
             sbatch_args=sbatch_args, slurm_conf=slurm_conf, address=address, hosts=hosts, mpi_args=mpi_args,
             ssh_args=ssh_args, remote_python=remote_python))
         spares = spares if self._remote is None else False  # elsewhere spares would hold nodes idle
-        if output not in ("lines", "tabs"):
-            raise ValueError(f"output is 'lines' (labelled lines, the default) or 'tabs' (one tab per rank in "
-                             f"JupyterLab), got {output!r}.")
+        _check_output(output)
         self.output = output
         for name, value in (("record_collectives", record_collectives), ("spares", spares)):
             if not isinstance(value, bool):
@@ -191,9 +189,10 @@ class Cluster(Waiting):
         try:
             self._ipp.start_engines_sync(self.world_size)
         except Exception as error:  # sbatch refused the job, or ssh failed: say what to check
-            if launchers.refused(self.launcher, error) is None:
+            message = launchers.refused(self.launcher, error)
+            if message is None:
                 raise
-            raise RuntimeError(launchers.refused(self.launcher, error)) from None
+            raise RuntimeError(message) from None
         self._jobs[:] = slurm.job_ids(self._ipp)
         self._write_pidfile()
         self._client = self._ipp.connect_client_sync()
@@ -225,7 +224,7 @@ class Cluster(Waiting):
     def _restart_on_spares(self) -> bool:
         """Replace the ranks, keeping the controller: by the spares started at the fault, or (Slurm) by a new
         job once the old one has left the queue; False if not possible."""
-        new_job = self._remote is not None and bool(self._jobs)
+        new_job = bool(self._jobs)  # only a Slurm cluster has jobs
         if self._ipp is None or self._client is None or not (new_job or getattr(self, "_spare_set", None)):
             return False
         controller = self._controller_pid()
@@ -264,8 +263,8 @@ class Cluster(Waiting):
                 if problem:
                     left = slurm.cancel(self._jobs, self._remote.env)
                     raise RuntimeError(problem + (f" (squeue still lists {left})" if left else ""))
-            elif self.launcher == "mpi" and launchers.mpiexec_ended(self._ipp):  # e.g. a host it cannot reach
-                raise RuntimeError(launchers.mpiexec_ended(self._ipp))
+            elif self.launcher == "mpi" and (ended := launchers.mpiexec_ended(self._ipp)):
+                raise RuntimeError(ended)  # e.g. a host mpiexec cannot reach
             elif now > deadline:
                 raise RuntimeError(f"{self.world_size} rank process(es) did not start within {self.start_timeout:g} "
                                    f"s; see the engine logs in {self._workdir}/profile/log, or try a smaller "
@@ -422,22 +421,24 @@ class Cluster(Waiting):
             return self._wait(results, timeout, quiet)
 
     def execute(self, source: str, timeout: float | None = None, ranks=None, quiet: bool = False,
-                filename: str | None = None) -> None:
+                filename: str | None = None, output: str | None = None) -> None:
         """Run Python source in each rank's namespace (what a %%ranks cell does).
 
-        `filename` names the source in tracebacks (the %%ranks magic passes the notebook cell's)."""
+        `filename` names the source in tracebacks (the %%ranks magic passes the notebook cell's); `output`
+        ('lines' or 'tabs') shows this call's output that way instead of as the cluster's `output` says."""
         __tracebackhide__ = True  # noqa: F841
         from . import dist
 
         if not isinstance(source, str):
             raise ValueError("execute() takes Python source text; for a function use cluster.run(fn).")
         _check_timeout(timeout)
+        _check_output(output or self.output)
         with self._lock:
             selected = self._ranks(ranks)
             name = filename or self._source_name()
             results = {r: self._client[self._engine_ids[r]].apply_async(dist.run_source, source, name)
                        for r in selected}
-            self._wait(results, timeout, quiet)
+            self._wait(results, timeout, quiet, output)
 
     def _source_name(self) -> str:
         """`<ranks source N from Cell In[M]>`: unique per call (the ranks cache it for tracebacks)."""

@@ -77,6 +77,27 @@ def node_mesh():
     return state["node_mesh"]
 
 
+def first_ranks(size: int | None = None):
+    """(process group of ranks 0..size-1, its 1-D mesh or None, member?): one started cluster serves every group
+    size. Every rank must call it with the same sizes in the same order (creating a group is collective); built
+    once per size, then cached with the group (a restart starts afresh). None or the world size: all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    state = _require_rank("first_ranks")
+    world = state["world_size"]
+    size = size or world
+    if not 1 <= size <= world:
+        raise ValueError(f"group_size must be between 1 and the {world} ranks, got {size}.")
+    if size == world:
+        return dist.group.WORLD, state["mesh"], True
+    groups = state.setdefault("groups", {})
+    if size not in groups:
+        groups[size] = dist.new_group(list(range(size)))
+    member = state["rank"] < size
+    return groups[size], DeviceMesh.from_group(groups[size], device().type) if member else None, member
+
+
 def this_rank() -> int:
     """This process's rank in the default process group, or 0 outside one (a notebook kernel, one process)."""
     import torch.distributed as dist
@@ -98,45 +119,13 @@ def print0(*args, **kwargs) -> None:
         builtins.print(*args, **kwargs)
 
 
-def loopback_interface() -> str:
-    """Name of the network interface that carries 127.0.0.1 ('lo' on Linux, 'lo0' on macOS)."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addresses):
-            return name
-    return "lo"
-
-
-def address_toward(host: str) -> str:
-    """This machine's address on the route to `host` (no packet is sent: a UDP socket only picks a route)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
-
-
 def routable_address(toward: str) -> str:
-    """Where the other nodes reach this rank: what the host name resolves to, unless that is a loopback
-    address (Debian maps it to 127.0.1.1); then the address on the route to `toward` (the controller)."""
-    import socket
+    """Where the other nodes reach this rank: host_address(), unless that is a loopback address; then the
+    address on the route to `toward` (the controller)."""
+    from .network import host_address, route_address
 
-    try:
-        resolved = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        resolved = "127.0.0.1"
-    return resolved if not resolved.startswith("127.") else address_toward(toward)
-
-
-def interface_of(address: str) -> str | None:
-    """Name of the network interface that holds `address`."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == address for a in addresses):
-            return name
-    return None
+    resolved = host_address()
+    return resolved if not resolved.startswith("127.") else route_address(toward)
 
 
 def open_store(*, world_size: int, timeout_s: float, host: str = "127.0.0.1") -> int:
@@ -189,9 +178,10 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
     # gloo listens for its peers on the interface its host name resolves to: a public one on one
     # machine (loopback is the one to use), a loopback one on many Debian nodes (127.0.1.1; the peers
     # then fail with "connectFullMesh failed"). Name the interface on the route to rank 0.
-    on_route = address_toward(master_addr) if not master_addr.startswith("127.") else None
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", (interface_of(on_route) if on_route else None)
-                          or loopback_interface())
+    from .network import interface_of, route_address
+
+    on_route = route_address(master_addr) if not master_addr.startswith("127.") else "127.0.0.1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(on_route))
     if backend == "nccl":  # its bootstrap sockets too
         os.environ.setdefault("NCCL_SOCKET_IFNAME", os.environ["GLOO_SOCKET_IFNAME"])
     # A rank stuck inside a collective sits in C++ code where no Python signal handler can run;

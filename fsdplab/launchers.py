@@ -32,7 +32,7 @@ import sys
 import tempfile
 
 from . import slurm
-from .processes import choose_backend
+from .processes import _check_backend, choose_backend
 
 LAUNCHERS = ("local", "slurm", "mpi", "ssh")
 # Which launcher takes each option (anything else given raises a ValueError with the fix).
@@ -75,11 +75,10 @@ def options(launcher: str, world_size: int, backend: str, given: dict):
     if launcher == "local":
         return None, choose_backend(world_size, backend)
     choose_backend(world_size, "gloo")  # checks world_size
+    _check_backend(backend)
     if launcher == "slurm":
         slurm_given = {k: given[k] for k in _OPTION_OF if "slurm" in _OPTION_OF[k]}
         return slurm.options(world_size, backend, **{**slurm_given, "nodes": given["nodes"] or 1})
-    if backend not in ("auto", "nccl", "gloo"):
-        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
     hosts = _hosts(launcher, given["hosts"], world_size)
     args = given["mpi_args"] if launcher == "mpi" else given["ssh_args"]
     name = "mpi_args" if launcher == "mpi" else "ssh_args"
@@ -137,9 +136,8 @@ def where(opts) -> dict:
     """ipp.Cluster arguments: which engine launcher, and where the controller listens."""
     if opts is None:
         return {}
-    if isinstance(opts, slurm.SlurmOptions):
-        return dict(engines="slurm", controller_ip=opts.address, controller_location=opts.address)
-    return dict(engines=opts.launcher, controller_ip=opts.address, controller_location=opts.address)
+    engines = "slurm" if isinstance(opts, slurm.SlurmOptions) else opts.launcher
+    return dict(engines=engines, controller_ip=opts.address, controller_location=opts.address)
 
 
 def configure(ipp_cluster, opts, env: dict, path) -> None:
@@ -311,7 +309,7 @@ def local_pids(ipp_cluster) -> list:
 
 def stop_remote(cluster, wait_s: float = 10.0) -> list:
     """End the ranks of an mpi or ssh cluster on every host; returns what could not be ended, as text."""
-    opts, ipp = getattr(cluster, "_remote", None), cluster._ipp
+    opts, ipp = cluster._remote, cluster._ipp
     if not isinstance(opts, RemoteOptions) or ipp is None:
         return []
     if opts.launcher == "mpi":

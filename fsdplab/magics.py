@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from contextlib import contextmanager
 
 from .cluster import Cluster
 
@@ -63,19 +62,7 @@ def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
     filename = current_cell_filename()
     # (A comment, not a blank line: IPython drops leading blank lines before it compiles a cell.)
     source = f"# %%ranks {line}\n{cell}" if filename else cell
-    with _output_view(cluster, args.view):
-        cluster.execute(source, timeout=args.timeout, ranks=ranks, filename=filename)
-
-
-@contextmanager
-def _output_view(cluster: Cluster, view: str | None):
-    """The cluster's output option set to `view` for one cell (None: left as it is)."""
-    saved = cluster.output
-    cluster.output = view or saved
-    try:
-        yield
-    finally:
-        cluster.output = saved
+    cluster.execute(source, timeout=args.timeout, ranks=ranks, filename=filename, output=args.view)
 
 
 def _find_cluster(name, user_ns: dict) -> Cluster:

@@ -171,6 +171,17 @@ def route_address(peer: str) -> str:
         return sock.getsockname()[0]
 
 
+def host_address() -> str:
+    """What this machine's host name resolves to: the address gloo advertises to its peers. "127.0.0.1" when
+    the name does not resolve (gloo could not advertise it either)."""
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def interface_of(address: str) -> str:
     """The name of the interface that holds `address` ("lo" for 127.0.0.1, "eth1" for a node's address)."""
     import psutil
@@ -219,16 +230,11 @@ def gloo_interface_for_nodes() -> str | None:
     the hostname resolves to a loopback address, the answer is the interface that reaches MASTER_ADDR."""
     import ipaddress
     import os
-    import socket
 
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
     if os.environ.get("GLOO_SOCKET_IFNAME") or not local or world <= local:
         return None
-    try:
-        resolved = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        resolved = "127.0.0.1"  # unresolvable hostname: gloo could not advertise it either
-    if not ipaddress.ip_address(resolved).is_loopback:
+    if not ipaddress.ip_address(host_address()).is_loopback:
         return None
     address = route_address(os.environ.get("MASTER_ADDR") or "127.0.0.1")
     return None if ipaddress.ip_address(address).is_loopback else interface_of(address)

@@ -341,6 +341,25 @@ def offload_attempt_on_rank(cfg=None) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def _seconds_per_step(model, opt, cfg, steps: int, dev) -> float:
+    """Median seconds of `steps` training steps (batches of 8) on GPU `dev`, after one untimed warm-up step;
+    each step timed from a synchronised device to a synchronised device."""
+    import torch
+
+    from .models import random_batch
+    from .sharding import train_step
+
+    times = []
+    for step in range(steps + 1):
+        batch = random_batch(cfg, 8, seed=step, device=dev)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        train_step(model, opt, batch)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 0) -> dict:
     """On a rank with a GPU: train the tiny transformer under FSDP2 with/without CPUOffloadPolicy.
 
@@ -351,8 +370,7 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
     import torch
 
     from .dist import device, mesh
-    from .models import random_batch
-    from .sharding import apply_fsdp, build_tiny, train_step
+    from .sharding import apply_fsdp, build_tiny
 
     dev = device()
     if dev.type != "cuda":
@@ -362,17 +380,10 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
     apply_fsdp(model, mesh(), precision="bf16", cpu_offload=cpu_offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for step in range(steps + 1):
-        batch = random_batch(cfg, 8, seed=step, device=dev)
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        train_step(model, opt, batch)
-        torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
+    seconds = _seconds_per_step(model, opt, cfg, steps, dev)
     p = next(iter(model.parameters()))
     state = opt.state[p]
-    return {"cpu_offload": cpu_offload, "seconds_per_step": statistics.median(times[1:]),
+    return {"cpu_offload": cpu_offload, "seconds_per_step": seconds,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev), "param_device": str(p.to_local().device),
             "optimizer_state_device": str(state["exp_avg"].to_local().device
                                           if hasattr(state["exp_avg"], "to_local") else state["exp_avg"].device)}
@@ -385,8 +396,7 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
     from .dist import device
-    from .models import random_batch
-    from .sharding import apply_fsdp1, build_tiny, train_step
+    from .sharding import apply_fsdp1, build_tiny
 
     dev = device()
     if dev.type != "cuda":
@@ -396,13 +406,6 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
                         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     cfg = model.module.cfg
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for step in range(steps + 1):
-        batch = random_batch(cfg, 8, seed=step, device=dev)
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        train_step(model, opt, batch)   # loss_of calls the FSDP1 wrapper's forward, as the posts' code does
-        torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    return {"seconds_per_step": statistics.median(times[1:]),
+    # train_step's loss_of calls the FSDP1 wrapper's forward, as the posts' code does
+    return {"seconds_per_step": _seconds_per_step(model, opt, cfg, steps, dev),
             "param_device": str(next(model.parameters()).device)}

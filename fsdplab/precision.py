@@ -26,27 +26,11 @@ from .dist import this_rank
 from .settings import PRECISIONS, torch_dtype
 
 
-_GROUPS: dict = {}
-
-
 def _group(group_size):
-    """(process group of ranks 0..group_size-1, its 1-D mesh or None, member?) for the `*_on_rank` functions: one
-    started cluster serves every group size. Every rank must call it with the same sizes in the same order
-    (creating a group is collective); None means all ranks."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
+    """(group of ranks 0..group_size-1, its mesh or None, member?) for the `*_on_rank` functions (dist.first_ranks)."""
+    from .dist import first_ranks
 
-    from .dist import device, mesh
-
-    size = group_size or dist.get_world_size()
-    if size == dist.get_world_size():
-        return dist.group.WORLD, mesh(), True
-    if not 1 <= size <= dist.get_world_size():
-        raise ValueError(f"group_size must be between 1 and the {dist.get_world_size()} ranks, got {size}.")
-    if size not in _GROUPS:
-        _GROUPS[size] = dist.new_group(list(range(size)))
-    member = dist.get_rank() < size
-    return _GROUPS[size], DeviceMesh.from_group(_GROUPS[size], device().type) if member else None, member
+    return first_ranks(group_size)
 
 
 # --- ranges ----------------------------------------------------------------------------------------

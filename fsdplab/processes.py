@@ -33,8 +33,7 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
     """nccl when there is one GPU per rank, else gloo; raises ValueError with the fix for bad input."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}.")
-    if backend not in ("auto", "nccl", "gloo"):
-        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
+    _check_backend(backend)
     if backend == "gloo":
         return "gloo"
     gpus = gpu_count()
@@ -43,6 +42,11 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
                          f"are visible. Use world_size<={gpus}" if gpus else
                          "backend='nccl' needs GPUs and none are visible. Use backend='gloo' (CPU ranks).")
     return "nccl" if gpus >= world_size else "gloo"
+
+
+def _check_backend(backend) -> None:
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
 
 
 def max_world_size() -> int:
@@ -68,6 +72,12 @@ def _check_timeout(timeout, name: str = "timeout") -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"{name} is in seconds and must be > 0, got {timeout!r}. "
                          f"Leave it out for the cluster's default, or give e.g. {name}=60.")
+
+
+def _check_output(output) -> None:
+    if output not in ("lines", "tabs"):
+        raise ValueError(f"output is 'lines' (labelled lines, the default) or 'tabs' (one tab per rank in "
+                         f"JupyterLab), got {output!r}.")
 
 
 def _process_tree(pids) -> list:

@@ -53,28 +53,23 @@ class Echo:
         if not self.enabled:
             return
         now = time.monotonic()
-        if self._use_tabs:
-            self._update_tabs(results, now, final)
-            return
         for r, ar in sorted(results.items()):
             for stream in ("stdout", "stderr"):
                 lines = self._new_lines(r, stream, _stream_text(ar, stream), final)
-                if lines:
+                if not lines:
+                    continue
+                if not self._use_tabs:
                     self.pending.setdefault(stream, {}).setdefault(r, deque()).extend((now, ln) for ln in lines)
-        for stream in ("stdout", "stderr"):
-            self._flush(stream, now, final, expected=len(results))
-
-    def _update_tabs(self, results: dict, now: float, final: bool) -> None:
-        for r, ar in sorted(results.items()):
-            for stream in ("stdout", "stderr"):
-                lines = self._new_lines(r, stream, _stream_text(ar, stream), final)
-                if lines and self.tabs is None:
+                    continue
+                if self.tabs is None:
                     # Made at the first line: each widget is a message to the browser and lives in the
                     # kernel until closed, so a call that prints nothing makes none.
                     self.tabs = RankTabs(sorted(results))
-                if lines:
-                    self.tabs.add(r, lines, stderr=stream == "stderr")
-        if self.tabs is not None:
+                self.tabs.add(r, lines, stderr=stream == "stderr")
+        if not self._use_tabs:
+            for stream in ("stdout", "stderr"):
+                self._flush(stream, now, final, expected=len(results))
+        elif self.tabs is not None:
             self.tabs.draw(now, final)
 
     def _new_lines(self, rank: int, stream: str, text: str, final: bool) -> list:

@@ -107,29 +107,36 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path, data: bytes) -> Path:
-    """Write `data` to `path` so that readers see the old file or the new one, never half of one."""
-    path = Path(path)
+def _write_atomically(path: Path, write) -> Path:
+    """`write(tmp)` fills a temp file next to `path` (and fsyncs it); then `os.replace` puts it in place and the
+    folder is synced. On any failure (a full disk, an interrupt) the temp file is removed and the error raised."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        remove(tmp)   # a full disk (or an interrupt) must not leave an empty temp file behind
+        remove(tmp)   # a full disk (or an interrupt) must not leave a partial temp file behind
         raise
     fsync_dir(path.parent)
     return path
 
 
+def atomic_write_bytes(path, data: bytes) -> Path:
+    """Write `data` to `path` so that readers see the old file or the new one, never half of one."""
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    return _write_atomically(Path(path), write)
+
+
 def atomic_save_tensors(state: dict, path: Path, metadata: dict | None = None) -> Path:
-    """safetensors when the name ends in .safetensors, else torch.save; temp name + fsync + os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    """safetensors when the name ends in .safetensors, else torch.save; temp name + fsync + os.replace. A full
+    disk is raised as one line (`CheckpointDiskFull`)."""
+    def write(tmp):
         if path.suffix == ".safetensors":
             from safetensors.torch import save_file
 
@@ -140,16 +147,15 @@ def atomic_save_tensors(state: dict, path: Path, metadata: dict | None = None) -
             torch.save(state, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+    try:
+        return _write_atomically(path, write)
     except BaseException as err:
-        remove(tmp)
         cause = disk_full_cause(err)
         if cause is not None:
             raise disk_full_error(cause, f"writing {path.name}", path.parent, "removed the partial file",
                                   "an older file under that name is untouched") from None
         raise
-    fsync_dir(path.parent)
-    return path
 
 
 def read_tensors(path: Path) -> dict:

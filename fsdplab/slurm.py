@@ -86,7 +86,8 @@ def _node_gpus(env: dict, partition) -> list[int]:
 
 def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, time_limit, sbatch_args,
             slurm_conf, address) -> tuple[SlurmOptions, str]:
-    """Checked options and the backend ('auto' -> nccl when the nodes have a GPU per rank)."""
+    """Checked options and the backend ('auto' -> nccl when the nodes have a GPU per rank; the caller,
+    fsdplab.launchers.options, has checked its name)."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         raise ValueError(f"launcher='slurm' needs Slurm's tools ({', '.join(missing)} not found). Run the "
@@ -110,8 +111,6 @@ def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, t
     if gpus_per_node is not None and gpus_per_node > most:
         raise ValueError(f"gpus_per_node={gpus_per_node} is more than any node of the partition has "
                          f"({most}). Use gpus_per_node<={most}, or another partition=.")
-    if backend not in ("auto", "nccl", "gloo"):
-        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
     gpus = per_node if gpus_per_node is None else gpus_per_node
     if backend == "nccl" and (most < per_node or gpus < per_node):
         raise ValueError(f"backend='nccl' needs one GPU per rank: {per_node} rank(s) per node, but the nodes "
@@ -130,10 +129,9 @@ def this_address() -> str:
     loopback address (Debian maps the host name to 127.0.1.1); then the first address of an interface."""
     import psutil
 
-    try:
-        resolved = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        resolved = "127.0.0.1"
+    from .network import host_address
+
+    resolved = host_address()
     if not resolved.startswith("127."):
         return resolved
     for name, addresses in psutil.net_if_addrs().items():

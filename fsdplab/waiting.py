@@ -45,13 +45,13 @@ class Waiting:
             raise ValueError(f"ranks {bad} do not exist: this cluster has ranks 0..{self.world_size - 1}.")
         return ranks
 
-    def _wait(self, results: dict, timeout, quiet: bool) -> list:
+    def _wait(self, results: dict, timeout, quiet: bool, output: str | None = None) -> list:
         __tracebackhide__ = True  # noqa: F841
         from .rank_output import Echo
 
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        echo = Echo(enabled=not (quiet or self.quiet), view=self.output, world_size=self.world_size)
+        echo = Echo(enabled=not (quiet or self.quiet), view=output or self.output, world_size=self.world_size)
         failed_since = next_peer_check = None
         self._peer_look = {}
         try:
@@ -106,7 +106,7 @@ class Waiting:
         if not blocked:
             return
         self._peer_look = {}
-        failures = {r: v for r, v in _failures(results).items()}
+        failures = _failures(results)
         errors = {r: (f.ename, f.evalue, failure_text(f)) for r, f in failures.items()}
         self._mark_broken("a rank raised while the others waited for it in a collective")
         raise RankError(errors, failures, waiting=blocked) from None

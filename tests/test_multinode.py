@@ -184,7 +184,7 @@ def _scenario() -> dict:
     import socket
 
     import fsdplab
-    from fsdplab.dist import address_toward
+    from fsdplab.network import route_address as address_toward
 
     out: dict = {"address_a": socket.gethostbyname("node-a")}
     t = time.monotonic()

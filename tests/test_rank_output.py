@@ -175,7 +175,8 @@ def test_widgets_render_only_in_a_kernel_started_by_jupyterlab(monkeypatch):
 def test_ranks_magic_tabs_and_lines_options_apply_to_one_cell(monkeypatch):
     cluster = Cluster(2, output="lines")
     seen = []
-    monkeypatch.setattr(cluster, "execute", lambda *a, **k: seen.append(cluster.output))
+    # the view each call uses: its own output= or, without one, the cluster's option
+    monkeypatch.setattr(cluster, "execute", lambda *a, **k: seen.append(k.get("output") or cluster.output))
     ns = {"c": cluster}
     ranks_magic("-c c --tabs", "print(rank())", ns)
     ranks_magic("-c c", "print(rank())", ns)

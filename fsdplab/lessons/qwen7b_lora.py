@@ -1,5 +1,5 @@
 """Lesson 06 (Qwen-7B LoRA on 8 x A10) only: the posts' setting, Qwen-7B v1's own layer layout and its LoRA
-size, what FSDP1 adds on top of FSDP2 for a LoRA model, exact estimates of a grid of settings, the verdicts of
+size, what FSDP1 adds on top of FSDP2 for a LoRA model, the formula over a grid of settings, the verdicts of
 claims 15 and 16, the lesson's dashboard and its exercises.
 """
 
@@ -29,14 +29,6 @@ VARIANTS = {"posts": {}, "no checkpointing": dict(activation_checkpointing=False
 def setting(**changes) -> TrainSetting:
     """The posts' setting with some fields changed (TypeError names a field that does not exist)."""
     return POSTS_SETTING.replace(**changes)
-
-
-def exact(settings: list, workers: int = 2) -> list:
-    """`fsdplab.memory.estimate` for each setting, `workers` at a time in worker processes (one fake process
-    group per process; see fsdplab.sweep.estimate_all). Returns the reports in order."""
-    from ..sweep import estimate_all
-
-    return estimate_all(list(settings), workers=workers)
 
 
 # --- Qwen-7B v1 as its own code lays it out --------------------------------------------------------------

@@ -167,8 +167,7 @@ def real_nodes_cluster(launcher: str, nodes: int = 2, ranks_per_node: int = 1, s
     return nodes * ranks_per_node, options
 
 
-def wire_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2, mesh=None, steps: int = 2,
-              seed: int = 0) -> dict:
+def wire_step(cfg=None, batch_size: int = 2, mesh=None, steps: int = 2, seed: int = 0) -> dict:
     """On a rank: build the tiny transformer, parallelize it (`mesh`: None = FULL_SHARD over all ranks, or
     (shape, names) for HSDP), take one warm-up step, then `steps` steps counted two ways at once: the lab's
     `CommCounter` and the byte counters of the interface traffic to other nodes leaves by.
@@ -182,14 +181,14 @@ def wire_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2, mesh=
 
     from .. import network
     from ..dist import this_rank
-    from ..models import TinyConfig
+    from ..models import TinyConfig, count_params
     from ..sharding import build_tiny, parallelize
 
     cfg = cfg or TinyConfig()
     if isinstance(mesh, tuple):
         mesh = make_mesh(*mesh)
     model = build_tiny(cfg, seed=seed)
-    param_bytes = 4 * sum(p.numel() for p in model.parameters())
+    param_bytes = 4 * count_params(model)
     model = parallelize(model, "full_shard", mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     rank = this_rank()

@@ -13,8 +13,6 @@ from ..settings import GIB, MIB
 
 NOT_AT_ONE_RANK = "not tested at world size 1"
 
-_GROUPS: dict = {}
-
 
 def shard_layout(shapes=((8, 4), (7, 4))) -> list:
     """fully_shard a module holding one parameter per shape over all ranks and report what this rank keeps
@@ -39,30 +37,19 @@ def shard_layout(shapes=((8, 4), (7, 4))) -> list:
     return rows
 
 
-def _subgroup(size: int):
-    """(process group of ranks 0..size-1, member?): every rank must call it, in the same order."""
-    import torch.distributed as dist
-
-    if size not in _GROUPS:
-        _GROUPS[size] = dist.group.WORLD if size == dist.get_world_size() else dist.new_group(list(range(size)))
-    return _GROUPS[size], dist.get_rank() < size
-
-
 def replica_bytes(strategy: str = "full_shard", group_size: int | None = None, cfg=None, steps: int = 2,
                   batch_size: int = 2, per_block: bool = True, optimizer: str = "adamw"):
     """Train the tiny transformer (fp32, Adam) with `strategy` ('ddp' is real DDP, 'shard_grad_op',
     'full_shard') over ranks 0..group_size-1 and `measure` it. Ranks outside the group return None; members
     return their MemoryReport with `detail['params']` = the model's parameter count."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from ..dist import device, this_rank, world_size
+    from ..dist import device, first_ranks, this_rank, world_size
     from ..memory import measure
     from ..models import TinyConfig, random_batch
     from ..settings import check_choice
     from ..sharding import apply_ddp, apply_fsdp, build_tiny, make_optimizer
 
     check_choice("strategy", strategy, ("ddp", "shard_grad_op", "full_shard"))
-    group, member = _subgroup(group_size or world_size())
+    group, group_mesh, member = first_ranks(group_size)
     if not member:
         return None
     cfg = cfg or TinyConfig()
@@ -71,7 +58,7 @@ def replica_bytes(strategy: str = "full_shard", group_size: int | None = None, c
     if strategy == "ddp":
         model = apply_ddp(model, device(), process_group=group)
     else:
-        apply_fsdp(model, DeviceMesh.from_group(group, device().type), reshard_after_forward=strategy == "full_shard",
+        apply_fsdp(model, group_mesh, reshard_after_forward=strategy == "full_shard",
                    per_block=per_block)
     opt = make_optimizer(model, optimizer, lr=1e-3)
     report = measure(model, opt, random_batch(cfg, batch_size, seed=this_rank(), device=device()), steps=steps)
