@@ -37,13 +37,11 @@ _fallback_said = False  # the "tabs shown as lines here" note is printed once pe
 class Echo:
     """Prints each rank's new output, whole lines at a time, while a call runs."""
 
-    def __init__(self, enabled: bool, ranks=None, out=None, err=None, view: str = "lines", world_size: int = 0):
+    def __init__(self, enabled: bool, out=None, err=None, view: str = "lines"):
         self.enabled = enabled
-        self.view, self.world_size = view, world_size
         self.seen: dict = {}          # (rank, stream) -> characters already taken
         self.partial: dict = {}       # (rank, stream) -> unfinished last line
         self.pending: dict = {}       # stream -> rank -> [(arrival time, line)]
-        self.ranks = ranks
         self._out, self._err = out, err
         self.tabs: RankTabs | None = None  # made when the first line arrives
         self._use_tabs = enabled and view == "tabs" and _tabs_possible(out)

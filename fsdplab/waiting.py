@@ -25,6 +25,9 @@ _POLL_S = 0.01
 # a rank blocked in a collective with the failed one would otherwise wait for the collective timeout.
 _FAILED_PEER_CHECK_S = 0.3
 _INTERRUPT_GRACE_S = 2.0
+# A finished call's result and its printed output come on separate channels (a loaded machine can
+# deliver the result first): wait at most this long for the output before the last lines are shown.
+_OUTPUT_WAIT_S = 5.0
 
 
 class Waiting:
@@ -51,7 +54,7 @@ class Waiting:
 
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        echo = Echo(enabled=not (quiet or self.quiet), view=output or self.output, world_size=self.world_size)
+        echo = Echo(enabled=not (quiet or self.quiet), view=output or self.output)
         failed_since = next_peer_check = None
         self._peer_look = {}
         try:
@@ -62,6 +65,7 @@ class Waiting:
                 # with ipyparallel's EngineError.
                 self._raise_if_dead()
                 if done:
+                    _wait_for_output(results)
                     break
                 now = time.monotonic()
                 if now > deadline:
@@ -206,3 +210,9 @@ class Waiting:
                 code = None
         return None if code is None else int(code)
 
+
+def _wait_for_output(results: dict) -> None:
+    """Wait (at most _OUTPUT_WAIT_S in all) until every finished call's printed output has arrived."""
+    deadline = time.monotonic() + _OUTPUT_WAIT_S
+    for ar in results.values():
+        ar.wait_for_output(max(0.0, deadline - time.monotonic()))

@@ -126,3 +126,11 @@ class LabPage:
 
     def text(self) -> str:
         return self.page.evaluate("() => document.querySelector('.jp-Notebook').innerText")
+
+    def output_of(self, source_part: str) -> str:
+        """The output text of the first code cell whose source contains `source_part`."""
+        return self.page.evaluate("""(part) => {
+            const cell = [...document.querySelectorAll('.jp-CodeCell')]
+                .find(c => c.querySelector('.jp-InputArea')?.innerText.includes(part));
+            return cell ? cell.querySelector('.jp-OutputArea')?.innerText ?? '' : null;
+        }""", source_part)

@@ -41,7 +41,7 @@ def _count_updates(tabs) -> list:
 
 def test_each_rank_gets_its_own_tab_with_its_lines_and_marked_stderr(frontend):
     out = io.StringIO()
-    echo = Echo(True, view="tabs", world_size=2, out=out)
+    echo = Echo(True, view="tabs", out=out)
     echo.update({0: Result("loss 2.31\nrank zero\n"), 1: Result("loss 2.31\n", "warning: slow\n")}, final=True)
     assert len(frontend) == 1 and frontend[0] is echo.tabs.widget
     assert list(echo.tabs.widget.titles) == ["rank 0", "rank 1"]
@@ -53,7 +53,7 @@ def test_each_rank_gets_its_own_tab_with_its_lines_and_marked_stderr(frontend):
 
 
 def test_tabs_follow_the_ranks_of_the_call_and_keep_partial_lines_until_they_end(frontend):
-    echo = Echo(True, view="tabs", world_size=4)
+    echo = Echo(True, view="tabs")
     result = Result("step 1\nstep ")
     echo.update({2: result, 3: Result()})
     assert list(echo.tabs.widget.titles) == ["rank 2", "rank 3"]
@@ -69,7 +69,7 @@ def test_a_call_that_prints_nothing_makes_no_widget(frontend, monkeypatch):
 
     made = []
     monkeypatch.setattr(ipywidgets.Widget, "_widget_construction_callback", made.append)
-    echo = Echo(True, view="tabs", world_size=2)
+    echo = Echo(True, view="tabs")
     echo.update({0: Result(), 1: Result()})
     echo.update({0: Result(), 1: Result()}, final=True)
     assert frontend == [] and made == []
@@ -80,7 +80,7 @@ def test_a_call_that_prints_nothing_makes_no_widget(frontend, monkeypatch):
 def test_at_most_one_update_per_rank_per_poll_however_many_lines(frontend, monkeypatch):
     monkeypatch.setattr(rank_output, "TAB_REFRESH_S", 0.0)  # redraw at every poll: the worst case
     results = {r: Result() for r in range(2)}
-    echo = Echo(True, view="tabs", world_size=2)
+    echo = Echo(True, view="tabs")
     polls, per_poll = 50, 1000
     results[0].stdout = "start\n"
     echo.update(results)
@@ -99,7 +99,7 @@ def test_redraws_are_throttled_between_polls(frontend, monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(rank_output.time, "monotonic", lambda: clock[0])
     res = Result("first\n")
-    echo = Echo(True, view="tabs", world_size=1)
+    echo = Echo(True, view="tabs")
     echo.update({0: res})
     count = _count_updates(echo.tabs)
     for i in range(20):                      # 20 polls within one refresh interval: no redraw
@@ -115,7 +115,7 @@ def test_a_tab_keeps_the_last_lines_and_says_how_many_it_dropped(frontend, monke
     monkeypatch.setattr(rank_output, "TAB_LINES", 100)
     n = 100_000
     res = Result()
-    echo = Echo(True, view="tabs", world_size=1)
+    echo = Echo(True, view="tabs")
     for chunk in range(10):
         res.stdout += "".join(f"line {i}\n" for i in range(chunk * n // 10, (chunk + 1) * n // 10))
         echo.update({0: res})
@@ -134,7 +134,7 @@ def test_without_a_widget_frontend_tabs_fall_back_to_lines_with_one_note(monkeyp
     outputs = []
     for _ in range(2):
         out = io.StringIO()
-        echo = Echo(True, view="tabs", world_size=2, out=out)
+        echo = Echo(True, view="tabs", out=out)
         echo.update({0: Result("loss 2.31\n"), 1: Result("loss 2.31\n")}, final=True)
         outputs.append(out.getvalue().splitlines())
         assert echo.tabs is None
@@ -210,3 +210,35 @@ def test_ranks_status_magic_takes_only_the_cluster_name(monkeypatch):
     assert calls == ["status"]
     with pytest.raises(ValueError, match="-c NAME"):
         status_magic("-c c --tabs", {"c": cluster})
+
+
+class LateOutput:
+    """A finished call whose printed text has not arrived yet (it comes on another channel than the
+    result): it arrives when the caller waits for the output, as ipyparallel's AsyncResult does."""
+
+    def __init__(self, text):
+        self._text, self.stdout, self.stderr = text, "", ""
+
+    def ready(self):
+        return True
+
+    def wait_for_output(self, timeout):
+        self.stdout = self._text
+        return True
+
+    def get(self, timeout):
+        return None
+
+
+def test_the_last_lines_of_a_call_are_shown_even_when_they_arrive_after_its_result(capsys):
+    from fsdplab.waiting import Waiting
+
+    class Calls(Waiting):
+        timeout, quiet, output, world_size = 5, False, "lines", 2
+
+        def _raise_if_dead(self):
+            pass
+
+    Calls()._wait({0: LateOutput("my shard [0.0]\n"), 1: LateOutput("my shard [1.0]\n")}, None, quiet=False)
+    out = capsys.readouterr().out
+    assert "[rank 0] my shard [0.0]" in out and "[rank 1] my shard [1.0]" in out
