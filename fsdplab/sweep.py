@@ -210,7 +210,7 @@ class Estimates:
             self.reports[i] = cached_estimate(settings[i])
             if self.reports[i] is None:
                 todo.append(i)
-        self._pool, self._futures, self._finished = None, {}, False
+        self._pool, self._futures, self._finished, self._error = None, {}, False, None
         if todo:
             # spawn: a fresh interpreter per worker (a fork of a process with torch's threads, or of a rank, is unsafe)
             self._pool = ProcessPoolExecutor(max(1, min(workers, len(todo))),
@@ -221,6 +221,9 @@ class Estimates:
         """Wait for every estimate; the reports in the order of the settings (`on_done` runs as each arrives)."""
         from concurrent.futures import as_completed
 
+        if self._error is not None:   # a second call after a failure: the same error, not a list of None
+            raise RuntimeError(f"these estimates failed earlier ({type(self._error).__name__}: {self._error}); "
+                               f"start them again with start_estimates(...)") from self._error
         if self._finished:
             return [self.reports[first] for first in self._first]
         pending = set(self._futures.values())
@@ -231,9 +234,10 @@ class Estimates:
                 for future in as_completed(self._futures):
                     self.reports[self._futures[future]] = future.result()
                     self._done(self._futures[future])
-            except BaseException:   # a failed point or Ctrl-C: do not start the points still queued
+            except BaseException as e:   # a failed point or Ctrl-C: do not start the points still queued
                 for future in self._futures:
                     future.cancel()
+                self._error = e
                 raise
             finally:
                 self._pool.shutdown(wait=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import papermill as pm
+import pytest
 
 from fsdplab.exercises import check
 from fsdplab.formula import formula
@@ -95,3 +96,17 @@ def test_estimates_read_back_and_deduplicated_start_no_worker(tmp_path, monkeypa
     reports = pending.result()
     assert [r.peak_bytes for r in reports] == [28, 21, 28] and sorted(seen) == [21, 28, 28]
     assert "reused" in reports[0].notes[-1] and pending.result() == reports and len(seen) == 3
+
+
+def test_estimates_that_failed_fail_again_when_asked_twice(tmp_path, monkeypatch):
+    # a failed estimate is an error at every result(), never a list of None the second time
+    from fsdplab.sweep import start_estimates
+
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    bad = full_finetune_settings()[0].replace(model="tiny", world_size=2, lora_rank=8, lora_targets=("no_such_layer",))
+    pending = start_estimates([bad], workers=1)
+    with pytest.raises(Exception) as first:
+        pending.result()
+    with pytest.raises(RuntimeError, match="failed earlier") as second:
+        pending.result()
+    assert second.value.__cause__ is first.value
