@@ -57,7 +57,7 @@ class Cluster(Waiting):
     Slurm job runs them on `nodes` nodes, world_size // nodes per node, while the kernel and the
     controller stay here (a login node). Slurm options: `nodes`, `gpus_per_node` (default: one per rank
     under nccl), `partition`, `time_limit` (sbatch --time, e.g. "1:00:00"), `sbatch_args` (more sbatch
-    options, e.g. ["--account=proj"]), `slurm_conf` (default $SLURM_CONF), `address` (where the nodes
+    options, e.g. ["--account=proj"]; CPU ranks run as many threads as its --cpus-per-task, else 1), `slurm_conf` (default $SLURM_CONF), `address` (where the nodes
     reach this machine; default what its host name resolves to). `start_timeout`: seconds the ranks
     may take to connect (a Slurm job still pending then is cancelled, with Slurm's reason).
 
@@ -147,7 +147,7 @@ class Cluster(Waiting):
     @property
     def _threads(self) -> int:
         if self.launcher == "slurm":  # a Slurm task gets one CPU unless sbatch_args ask for more
-            return int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) if self.backend == "gloo" else 4
+            return slurm.cpus_per_task(self._remote.sbatch_args) if self.backend == "gloo" else 4
         per_machine = self._remote.per_node if self._remote is not None else self.world_size  # hosts like this one
         return max(1, (os.cpu_count() or 1) // per_machine) if self.backend == "gloo" else 4
 

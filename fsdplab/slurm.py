@@ -103,6 +103,7 @@ def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, t
     if not all(isinstance(a, str) and a.startswith("-") for a in args):
         raise ValueError(f"sbatch_args is a list of sbatch options such as ['--account=proj', "
                          f"'--qos=debug'], got {sbatch_args!r}.")
+    cpus_per_task(args)   # a bad --cpus-per-task fails here, before a job is submitted
     env = _slurm_env(slurm_conf)
     node_gpus = _node_gpus(env, partition)
     most = max(node_gpus)
@@ -122,6 +123,24 @@ def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, t
     chosen = SlurmOptions(nodes, per_node, gpus if backend == "nccl" else (gpus_per_node or 0), partition,
                           time_limit, args, env, address or this_address())
     return chosen, backend
+
+
+def cpus_per_task(sbatch_args) -> int:
+    """The CPUs each rank gets: sbatch's --cpus-per-task (or -c) in `sbatch_args`, else Slurm's default of 1.
+    Read from the options, not from this process's SLURM_CPUS_PER_TASK: the kernel runs outside the job."""
+    args = list(sbatch_args or ())
+    for i, arg in enumerate(args):
+        for flag in ("--cpus-per-task", "-c"):
+            if arg == flag and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(flag + "=") or (flag == "-c" and arg.startswith("-c") and arg[2:].isdigit()):
+                value = arg[len(flag) + (arg.startswith(flag + "=")):]
+            else:
+                continue
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{flag} in sbatch_args takes a whole number of CPUs >= 1, got {value!r}.")
+            return int(value)
+    return 1
 
 
 def this_address() -> str:

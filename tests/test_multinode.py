@@ -177,6 +177,24 @@ def test_batch_script_asks_for_the_layout_and_passes_options_through():
         assert line in script.splitlines()
 
 
+def test_ranks_get_the_threads_the_job_asks_for_not_the_kernels_environment(monkeypatch):
+    from types import SimpleNamespace
+
+    from fsdplab.cluster import Cluster
+    from fsdplab.slurm import SlurmOptions, cpus_per_task
+
+    assert cpus_per_task(None) == 1 and cpus_per_task(["--account=proj"]) == 1
+    assert cpus_per_task(["--cpus-per-task=8"]) == 8 and cpus_per_task(["--cpus-per-task", "6"]) == 6
+    assert cpus_per_task(["-c", "3"]) == 3 and cpus_per_task(["-c4"]) == 4
+    with pytest.raises(ValueError, match="whole number of CPUs"):
+        cpus_per_task(["--cpus-per-task=many"])
+    # the kernel (a login node, or a job step of its own) may carry a SLURM_CPUS_PER_TASK of its own
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
+    opts = SlurmOptions(nodes=2, per_node=2, gpus_per_node=0, partition=None, time_limit=None,
+                        sbatch_args=("--cpus-per-task=8",), env={}, address="10.0.0.1")
+    assert Cluster._threads.fget(SimpleNamespace(launcher="slurm", backend="gloo", _remote=opts)) == 8
+
+
 # --- the scenario: runs inside node-a ---------------------------------------------------------------
 def _scenario() -> dict:
     import contextlib
