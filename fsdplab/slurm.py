@@ -175,7 +175,9 @@ def batch_template(opts: SlurmOptions) -> str:
     # The user's own options last: sbatch lets a later one win. Braces would be template fields.
     lines += ["#SBATCH " + a.replace("{", "{{").replace("}", "}}") for a in opts.sbatch_args]
     # --kill-on-bad-exit=0: one rank that dies must not take the others down before the kernel looks.
-    lines.append("srun --kill-on-bad-exit=0 {program_and_args}")
+    # srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 and later): it is asked for again.
+    cpus = cpus_per_task(opts.sbatch_args)
+    lines.append("srun --kill-on-bad-exit=0 " + (f"--cpus-per-task={cpus} " if cpus > 1 else "") + "{program_and_args}")
     return "\n".join(lines) + "\n"
 
 

@@ -181,7 +181,7 @@ def test_ranks_get_the_threads_the_job_asks_for_not_the_kernels_environment(monk
     from types import SimpleNamespace
 
     from fsdplab.cluster import Cluster
-    from fsdplab.slurm import SlurmOptions, cpus_per_task
+    from fsdplab.slurm import SlurmOptions, batch_template, cpus_per_task
 
     assert cpus_per_task(None) == 1 and cpus_per_task(["--account=proj"]) == 1
     assert cpus_per_task(["--cpus-per-task=8"]) == 8 and cpus_per_task(["--cpus-per-task", "6"]) == 6
@@ -193,6 +193,9 @@ def test_ranks_get_the_threads_the_job_asks_for_not_the_kernels_environment(monk
     opts = SlurmOptions(nodes=2, per_node=2, gpus_per_node=0, partition=None, time_limit=None,
                         sbatch_args=("--cpus-per-task=8",), env={}, address="10.0.0.1")
     assert Cluster._threads.fget(SimpleNamespace(launcher="slurm", backend="gloo", _remote=opts)) == 8
+    # and each srun task gets those CPUs: srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
+    script = batch_template(opts).format(cluster_id="c1", n=4, program_and_args="python -m fsdplab._engine")
+    assert "srun --kill-on-bad-exit=0 --cpus-per-task=8 python -m fsdplab._engine" in script.splitlines()
 
 
 # --- the scenario: runs inside node-a ---------------------------------------------------------------
