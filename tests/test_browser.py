@@ -59,6 +59,14 @@ def test_ranks_output_appears_per_rank_in_the_page(lab):
     shards = page.output_of("dist.all_gather(gathered, shard)")
     assert "[rank 0] my shard" in shards and "[rank 1] my shard" in shards, f"the cell showed: {shards!r}"
     assert "all checks passed" in page.text()
+    # `%%ranks --tabs`: one tab per rank, rank 0's shown first, rank 1's after a click on its tab
+    tabs = page.output_of("%%ranks --tabs")
+    assert "rank 0 keeps 4 of 8 numbers" in tabs and "rank 1 keeps" not in tabs, f"the tabs showed: {tabs!r}"
+    page.page.locator(".lm-TabBar-tab", has_text="rank 1").first.click()
+    deadline = time.monotonic() + 10
+    while "rank 1 keeps 4 of 8 numbers" not in page.output_of("%%ranks --tabs") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "rank 1 keeps 4 of 8 numbers" in page.output_of("%%ranks --tabs")
 
 
 def test_dashboard_slider_redraws_the_figure(lab):
