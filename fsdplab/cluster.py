@@ -37,7 +37,7 @@ from . import hang, launchers, slurm
 from .faults import RankDied, RankError, RankHang, _running_text, _status_table
 from .processes import (_alive, _check_output, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
                         check_capacity, choose_backend, free_port, gpu_count, max_world_size)
-from .slurm import RemoteRank
+from .remote import RemoteRank
 from .waiting import Waiting
 
 __all__ = ["Cluster", "RankError", "RankHang", "RankDied", "free_port", "gpu_count", "choose_backend",

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-from . import slurm
+from . import remote, slurm
 from .processes import _check_backend, choose_backend
 
 LAUNCHERS = ("local", "slurm", "mpi", "ssh")
@@ -288,8 +288,8 @@ def places_of(cluster) -> list:
 
 
 def join_group(cluster):
-    """The process group of an mpi or ssh cluster: fsdplab.slurm's, from these launchers' placements."""
-    return slurm.join_group(cluster, places_of(cluster))
+    """The process group of an mpi or ssh cluster: `remote.join_group` with these launchers' placements."""
+    return remote.join_group(cluster, places_of(cluster))
 
 
 # --- stopping -------------------------------------------------------------------------------------

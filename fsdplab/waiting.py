@@ -17,7 +17,7 @@ import time
 from . import hang
 from .faults import RankDied, RankError, RankHang, _failures, _is_failure, _stack_of_thread, _strip_ansi
 from .processes import _alive
-from .slurm import RemoteRank
+from .remote import RemoteRank
 from .tracebacks import failure_text, format_frames, rank_list
 
 _POLL_S = 0.01

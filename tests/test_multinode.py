@@ -156,7 +156,7 @@ def test_unknown_launcher_and_missing_slurm_tools(monkeypatch):
 
 
 def test_ranks_follow_node_then_local_index_not_engine_id():
-    from fsdplab.slurm import rank_order
+    from fsdplab.remote import rank_order
 
     # Engines in the order they connected: ipyparallel's ids follow this, Slurm's task ids do not.
     places = [{"nodeid": 1, "localid": 1, "procid": 3}, {"nodeid": 0, "localid": 1, "procid": 1},
