@@ -151,7 +151,10 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress) -> t
                                 # The kernel's own log goes to this terminal and holds only
                                 # housekeeping (the TCP warning, the interrupt at shutdown); the
                                 # cells' errors are in the executed notebook and the summary.
-                                extra_arguments=["--IPKernelApp.log_level=CRITICAL"])
+                                extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
+                                # The last cell has run: end the kernel at once rather than wait ~1 s
+                                # for its exit handlers; its watcher (fsdplab._reaper) ends any ranks.
+                                shutdown_kernel="immediate")
     except pm.PapermillExecutionError as e:
         status = "FAILED"
         detail = f"cell {e.exec_count} ({e.ename}: {str(e.evalue).splitlines()[0] if e.evalue else ''})"

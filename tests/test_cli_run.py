@@ -5,10 +5,12 @@ import ast
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import nbformat
 import papermill as pm
+import psutil
 import pytest
 from papermill.translators import PythonTranslator
 
@@ -149,7 +151,8 @@ def test_failed_run_leaves_no_scratch(tmp_path, capsys, monkeypatch):
     nb = tiny_notebook(tmp_path / "fails.ipynb",
                        "import os, tempfile, fsdplab\ncluster = fsdplab.Cluster(1, quiet=True).start()\n"
                        "print('tmp', tempfile.gettempdir())\nprint('cluster', cluster._workdir)\n"
-                       "print('figures', os.environ['FSDPLAB_FIGURES'])",
+                       "print('figures', os.environ['FSDPLAB_FIGURES'])\n"
+                       "print('pids', ' '.join(str(p.pid) for p in cluster._procs.values()))",
                        "raise RuntimeError('planted failure')")
     code = main(["run", str(nb), "--out", str(tmp_path / "out"), "--no-progress"])
     captured = capsys.readouterr()
@@ -160,6 +163,18 @@ def test_failed_run_leaves_no_scratch(tmp_path, capsys, monkeypatch):
     assert not Path(lines["tmp"]).exists() and not Path(lines["cluster"]).exists()
     assert lines["figures"] == str((tmp_path / "out" / "figures").resolve())
     assert "Kernel is running over TCP" not in captured.err + captured.out
+    # the run ends the kernel at once; its watcher ends the ranks it left running
+    def running(pid):   # a zombie waiting for its parent's reap has ended
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    ranks = [int(pid) for pid in lines["pids"].split()]
+    deadline = time.monotonic() + 15
+    while any(map(running, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in ranks if running(pid)], "ranks outlived the run's kernel"
 
 
 # --- any world size -------------------------------------------------------------------------------------
