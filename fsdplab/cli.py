@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import prefetch
 from .settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -122,11 +123,16 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     figures = figures_folder(figures, out)
     # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
     own_cache = None if os.environ.get("FSDPLAB_ESTIMATE_CACHE") else tempfile.mkdtemp(prefix="fsdplab-estimates-")
+    ahead = None
     try:
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
+            if len(paths) > 1 and not parameters:
+                # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.prefetch)
+                ahead = prefetch.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
                     for i, path in enumerate(paths, 1)]
     finally:
+        prefetch.stop(ahead)
         if own_cache:
             shutil.rmtree(own_cache, ignore_errors=True)
 

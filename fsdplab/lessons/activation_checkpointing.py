@@ -25,6 +25,14 @@ CHECKPOINTING = ("none", "torch", "posts", "posts, non-reentrant")
 
 # --- models --------------------------------------------------------------------------------------------
 
+def estimate_settings() -> list:
+    """The posts' Qwen-7B LoRA setting without and with activation checkpointing (the lesson's exact
+    full-scale estimates)."""
+    from .qwen7b_lora import POSTS_SETTING
+
+    return [POSTS_SETTING.replace(activation_checkpointing=False), POSTS_SETTING]
+
+
 def twin_config(hidden: int = 128, layers: int = 4, vocab: int = 512, *, dropout: float = 0.0, attention=None):
     """A tiny Qwen-7B twin (Qwen2 layout, hidden `hidden`, `layers` blocks) with attention dropout `dropout`;
     `attention="eager"` makes attention plain matmuls (FlopCounterMode does not count CPU's SDPA kernel)."""
