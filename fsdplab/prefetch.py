@@ -57,10 +57,22 @@ def start(paths, cache: str) -> subprocess.Popen | None:
     env = {**os.environ, "FSDPLAB_ESTIMATE_CACHE": str(cache)}
     process = subprocess.Popen([sys.executable, "-m", "fsdplab.prefetch"], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                               preexec_fn=lambda: os.nice(19))
+                               start_new_session=True, preexec_fn=_lowest_priority)
     with process.stdin:   # the settings, as JSON on its standard input
         process.stdin.write(json.dumps([_setting_payload(s) for s in settings], default=str))
     return process
+
+
+def _lowest_priority() -> None:
+    """In the new process: nice 19, for its session too. Linux's autogroups share the CPU between sessions
+    before nice values count, and Jupyter starts each kernel in a session of its own: without the session's
+    nice, this process would take half the CPU from a lesson's kernel and ranks."""
+    os.nice(19)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:   # no autogroups (not Linux, or a kernel without them): the process's nice is enough
+        pass
 
 
 def stop(process: subprocess.Popen | None) -> None:
