@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import prefetch
+from . import estimates_ahead
 from .settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -127,12 +127,12 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     try:
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
             if len(paths) > 1 and not parameters:
-                # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.prefetch)
-                ahead = prefetch.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
+                # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.estimates_ahead)
+                ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
                     for i, path in enumerate(paths, 1)]
     finally:
-        prefetch.stop(ahead)
+        estimates_ahead.stop(ahead)
         if own_cache:
             shutil.rmtree(own_cache, ignore_errors=True)
 

@@ -5,9 +5,9 @@ it is already there. While the run goes on, one background process fills that ca
 settings later lessons will ask for, at the lowest CPU priority: it takes the time the lessons leave the
 cores idle (waiting on ranks, kernels and hang timeouts) and yields to them otherwise. A setting it has not
 finished when a lesson needs it is estimated by the lesson, as without it. Only runs at the lessons' default
-parameters prefetch: other parameters may ask for other settings.
+parameters make estimates ahead: other parameters may ask for other settings.
 
-    python -m fsdplab.prefetch < SETTINGS.json     (what `start` runs: the settings as a JSON list)
+    python -m fsdplab.estimates_ahead < SETTINGS.json     (what `start` runs: the settings as a JSON list)
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def start(paths, cache: str) -> subprocess.Popen | None:
     if not settings:
         return None
     env = {**os.environ, "FSDPLAB_ESTIMATE_CACHE": str(cache)}
-    process = subprocess.Popen([sys.executable, "-m", "fsdplab.prefetch"], env=env, stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "fsdplab.estimates_ahead"], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
                                start_new_session=True, preexec_fn=_lowest_priority)
     with process.stdin:   # the settings, as JSON on its standard input
