@@ -147,7 +147,7 @@ class Cluster(Waiting):
     @property
     def _threads(self) -> int:
         if self.launcher == "slurm":  # a Slurm task gets one CPU unless sbatch_args ask for more
-            return slurm.cpus_per_task(self._remote.sbatch_args) if self.backend == "gloo" else 4
+            return self._remote.cpus_per_task if self.backend == "gloo" else 4
         per_machine = self._remote.per_node if self._remote is not None else self.world_size  # hosts like this one
         return max(1, (os.cpu_count() or 1) // per_machine) if self.backend == "gloo" else 4
 

@@ -14,6 +14,7 @@ Nothing assumes a shared filesystem: the engines get the controller's address in
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -42,6 +43,7 @@ class SlurmOptions:
     sbatch_args: tuple
     env: dict  # the environment for Slurm's tools (SLURM_CONF set when given)
     address: str  # where the nodes reach this machine (the controller)
+    cpus_per_task: int = 1  # each rank's CPUs: sbatch's --cpus-per-task in sbatch_args, read once by `options`
 
 
 def _slurm_env(slurm_conf) -> dict:
@@ -103,7 +105,7 @@ def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, t
     if not all(isinstance(a, str) and a.startswith("-") for a in args):
         raise ValueError(f"sbatch_args is a list of sbatch options such as ['--account=proj', "
                          f"'--qos=debug'], got {sbatch_args!r}.")
-    cpus_per_task(args)   # a bad --cpus-per-task fails here, before a job is submitted
+    cpus = cpus_per_task(args)   # a bad --cpus-per-task fails here, before a job is submitted
     env = _slurm_env(slurm_conf)
     node_gpus = _node_gpus(env, partition)
     most = max(node_gpus)
@@ -121,26 +123,25 @@ def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, t
     if backend == "auto":
         backend = "nccl" if most >= per_node and gpus >= per_node else "gloo"
     chosen = SlurmOptions(nodes, per_node, gpus if backend == "nccl" else (gpus_per_node or 0), partition,
-                          time_limit, args, env, address or this_address())
+                          time_limit, args, env, address or this_address(), cpus_per_task=cpus)
     return chosen, backend
 
 
 def cpus_per_task(sbatch_args) -> int:
-    """The CPUs each rank gets: sbatch's --cpus-per-task (or -c) in `sbatch_args`, else Slurm's default of 1.
-    Read from the options, not from this process's SLURM_CPUS_PER_TASK: the kernel runs outside the job."""
-    args = list(sbatch_args or ())
-    for i, arg in enumerate(args):
-        for flag in ("--cpus-per-task", "-c"):
-            if arg == flag and i + 1 < len(args):
-                value = args[i + 1]
-            elif arg.startswith(flag + "=") or (flag == "-c" and arg.startswith("-c") and arg[2:].isdigit()):
-                value = arg[len(flag) + (arg.startswith(flag + "=")):]
-            else:
-                continue
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"{flag} in sbatch_args takes a whole number of CPUs >= 1, got {value!r}.")
-            return int(value)
-    return 1
+    """The CPUs each rank gets: sbatch's --cpus-per-task (or -c) in `sbatch_args`, else Slurm's default of 1;
+    given twice, the later one, as sbatch takes it. Read from the options, not from this process's
+    SLURM_CPUS_PER_TASK: the kernel runs outside the job. `options` reads it once, into SlurmOptions."""
+    # exit_on_error=False: a bad value raises ArgumentError instead of ending the kernel with SystemExit
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("-c", "--cpus-per-task", type=int, default=1)
+    fix = "--cpus-per-task (or -c) in sbatch_args takes a whole number of CPUs >= 1"
+    try:
+        cpus = parser.parse_known_args(list(sbatch_args or ()))[0].cpus_per_task
+    except argparse.ArgumentError as e:   # not a whole number, or no value after the option
+        raise ValueError(f"{fix}: {e.message}.") from None
+    if cpus < 1:
+        raise ValueError(f"{fix}, got {cpus}.")
+    return cpus
 
 
 def this_address() -> str:
@@ -176,7 +177,7 @@ def batch_template(opts: SlurmOptions) -> str:
     lines += ["#SBATCH " + a.replace("{", "{{").replace("}", "}}") for a in opts.sbatch_args]
     # --kill-on-bad-exit=0: one rank that dies must not take the others down before the kernel looks.
     # srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 and later): it is asked for again.
-    cpus = cpus_per_task(opts.sbatch_args)
+    cpus = opts.cpus_per_task
     lines.append("srun --kill-on-bad-exit=0 " + (f"--cpus-per-task={cpus} " if cpus > 1 else "") + "{program_and_args}")
     return "\n".join(lines) + "\n"
 

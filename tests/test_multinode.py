@@ -191,7 +191,7 @@ def test_ranks_get_the_threads_the_job_asks_for_not_the_kernels_environment(monk
     # the kernel (a login node, or a job step of its own) may carry a SLURM_CPUS_PER_TASK of its own
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
     opts = SlurmOptions(nodes=2, per_node=2, gpus_per_node=0, partition=None, time_limit=None,
-                        sbatch_args=("--cpus-per-task=8",), env={}, address="10.0.0.1")
+                        sbatch_args=("--cpus-per-task=8",), env={}, address="10.0.0.1", cpus_per_task=8)
     assert Cluster._threads.fget(SimpleNamespace(launcher="slurm", backend="gloo", _remote=opts)) == 8
     # and each srun task gets those CPUs: srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
     script = batch_template(opts).format(cluster_id="c1", n=4, program_and_args="python -m fsdplab._engine")
