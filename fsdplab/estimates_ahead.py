@@ -7,35 +7,30 @@ cores idle (waiting on ranks, kernels and hang timeouts) and yields to them othe
 finished when a lesson needs it is estimated by the lesson, as without it. Only runs at the lessons' default
 parameters make estimates ahead: other parameters may ask for other settings.
 
-    python -m fsdplab.estimates_ahead < SETTINGS.json     (what `start` runs: the settings as a JSON list)
+    python -m fsdplab.estimates_ahead < LESSONS.json     (what `start` runs: notebook names as a JSON list)
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from . import lessons
+
 
 def lesson_settings(stem: str) -> list:
-    """The full-scale settings lesson `stem` estimates at its defaults and does not start itself at once
-    (lesson 01 starts its two with its imports; 03, 06 and 08 need theirs later or share them)."""
-    number = stem[:2]
-    if number == "03":
-        from .lessons.cpu_offload import exact_settings
-
-        return exact_settings()[2:]            # with offload; the other two are lesson 01's
-    if number == "06":
-        from .lessons.qwen7b_lora import POSTS_SETTING
-
-        return [POSTS_SETTING]
-    if number == "08":
-        from .lessons.activation_checkpointing import estimate_settings
-
-        return estimate_settings()
-    return []
+    """The full-scale settings the lesson of notebook `stem` estimates at its defaults and does not start itself
+    at once: its module's `settings_ahead()` (fsdplab.lessons.MODULES names each lesson's module, by the number
+    that starts the notebook's name); none for a module without one (lesson 01 starts its two with its imports)."""
+    name = lessons.MODULES.get(stem[:2])
+    if name is None:
+        return []
+    module = importlib.import_module(f"{lessons.__name__}.{name}")
+    return module.settings_ahead() if hasattr(module, "settings_ahead") else []
 
 
 def settings_for(paths) -> list:
@@ -46,20 +41,15 @@ def settings_for(paths) -> list:
     return settings
 
 
-def start(paths, cache: str) -> subprocess.Popen | None:
-    """Start estimating `settings_for(paths)` into `cache` in a background process at the lowest priority;
-    None when there is nothing to estimate."""
-    from .memory import _setting_payload
-
-    settings = settings_for(paths)
-    if not settings:
-        return None
+def start(paths, cache: str) -> subprocess.Popen:
+    """Start estimating `settings_for(paths)` into `cache` in a background process at the lowest priority.
+    The process itself works out the settings: importing the lesson modules takes CPU the first lesson needs."""
     env = {**os.environ, "FSDPLAB_ESTIMATE_CACHE": str(cache)}
     process = subprocess.Popen([sys.executable, "-m", "fsdplab.estimates_ahead"], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
                                start_new_session=True, preexec_fn=_lowest_priority)
-    with process.stdin:   # the settings, as JSON on its standard input
-        process.stdin.write(json.dumps([_setting_payload(s) for s in settings], default=str))
+    with process.stdin:   # the lessons' notebook names, as JSON on its standard input
+        process.stdin.write(json.dumps([Path(p).stem for p in paths]))
     return process
 
 
@@ -83,17 +73,23 @@ def stop(process: subprocess.Popen | None) -> None:
     process.wait()
 
 
-def main(stdin: str | None = None) -> int:
-    """Estimate each setting of the JSON list on standard input (or `stdin`) not yet in the run's cache."""
-    from .memory import _setting_from_payload, cached_estimate, estimate
-    from .sweep import _init_worker
+def estimate_missing(settings) -> None:
+    """Estimate each of `settings` that is not yet in the run's cache (which the estimates fill)."""
+    from .memory import cached_estimate, estimate, estimate_under_way, marked_under_way
 
-    payloads = json.loads(sys.stdin.read() if stdin is None else stdin)
-    _init_worker()   # one thread, no rank variables: the estimator's own process group
-    for payload in payloads:
-        setting = _setting_from_payload(payload)
-        if cached_estimate(setting) is None:
-            estimate(setting, progress=False, subprocess_mode=False)   # writes the run's cache
+    for setting in settings:
+        if cached_estimate(setting) is None and not estimate_under_way(setting):
+            with marked_under_way(setting):   # a lesson that needs it now waits for it rather than start again
+                estimate(setting, progress=False, subprocess_mode=False)   # writes the run's cache
+
+
+def main(stdin: str | None = None) -> int:
+    """Estimate ahead what the lessons named by the JSON list on standard input (or `stdin`) will need."""
+    from .sweep import init_estimate_process
+
+    stems = json.loads(sys.stdin.read() if stdin is None else stdin)
+    init_estimate_process()   # one thread, no rank variables: the estimator's own process group
+    estimate_missing(settings_for(stems))
     return 0
 
 

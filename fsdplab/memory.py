@@ -12,6 +12,7 @@ communication_buffers, other.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -212,6 +213,11 @@ def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -
     if report is not None:
         say(f"reused the estimate made earlier in this run (it took {report.seconds:.1f} s)")
         return report
+    if estimate_under_way(setting):
+        say("another process of this run is estimating this setting already: waiting for its report")
+        report = wait_for_estimate(setting)
+        if report is not None:
+            return report
     cached = _cache_path(setting)
     report = _compute_estimate(setting, say)
     if cached is not None:
@@ -232,6 +238,53 @@ def cached_estimate(setting: TrainSetting) -> MemoryReport | None:
     report.notes.append(f"reused: this run estimated the same setting before, with the same fsdplab code and "
                         f"torch ({report.seconds:.1f} s then); FSDPLAB_ESTIMATE_CACHE={cached.parent}")
     return report
+
+
+def estimate_under_way(setting: TrainSetting) -> bool:
+    """Whether another live process of this run is estimating `setting` now (fsdplab.estimates_ahead)."""
+    marker = _pending_path(setting)
+    if marker is None:
+        return False
+    try:
+        pid = int(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    import psutil
+
+    from .processes import _alive
+
+    try:
+        return pid != os.getpid() and _alive(psutil.Process(pid))
+    except psutil.Error:
+        return False
+
+
+def wait_for_estimate(setting: TrainSetting) -> MemoryReport | None:
+    """The report of an estimate another process of this run is making (`estimate_under_way`), once it is
+    there; None when none is under way or that process ended without one. Waiting rather than estimating the
+    same setting again in parallel leaves that process the whole CPU."""
+    while cached_estimate(setting) is None and estimate_under_way(setting):
+        time.sleep(0.2)
+    return cached_estimate(setting)
+
+
+@contextlib.contextmanager
+def marked_under_way(setting: TrainSetting):
+    """While the block runs, other processes of this run see `setting` as under way here (and wait for it)."""
+    marker = _pending_path(setting)
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+
+
+def _pending_path(setting: TrainSetting):
+    cached = _cache_path(setting)
+    return None if cached is None else cached.with_suffix(".pending")
 
 
 def _cache_path(setting: TrainSetting):

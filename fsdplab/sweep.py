@@ -196,26 +196,34 @@ class Estimates:
     """Exact estimates under way in worker processes (see `start_estimates`)."""
 
     def __init__(self, settings: list, workers: int = 2, on_done=None):
-        from concurrent.futures import ProcessPoolExecutor
-        import multiprocessing
-
-        from .memory import cached_estimate
+        from .memory import cached_estimate, estimate_under_way
 
         self.settings, self.on_done = settings, on_done
         self.reports: list = [None] * len(settings)
         # settings may hold unhashable configs (a miniature's transformers config): compare, do not hash
         self._first = [next(j for j in range(i + 1) if settings[j] == s) for i, s in enumerate(settings)]
-        todo = []
+        todo, self._waiting = [], []
         for i in sorted(set(self._first)):
             self.reports[i] = cached_estimate(settings[i])
-            if self.reports[i] is None:
-                todo.append(i)
+            if self.reports[i] is None:   # another process of the run (estimates ahead) may be at it already
+                (self._waiting if estimate_under_way(settings[i]) else todo).append(i)
         self._pool, self._futures, self._finished, self._error = None, {}, False, None
-        if todo:
+        self._workers = workers
+        self._submit(todo)
+
+    def _submit(self, indices: list) -> None:
+        """Start estimating the settings at `indices` in worker processes."""
+        from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing
+
+        if not indices:
+            return
+        if self._pool is None:
             # spawn: a fresh interpreter per worker (a fork of a process with torch's threads, or of a rank, is unsafe)
-            self._pool = ProcessPoolExecutor(max(1, min(workers, len(todo))),
-                                             mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
-            self._futures = {self._pool.submit(_estimate_point, settings[i]): i for i in todo}
+            self._pool = ProcessPoolExecutor(max(1, min(self._workers, len(indices))),
+                                             mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=init_estimate_process)
+        self._futures.update({self._pool.submit(_estimate_point, self.settings[i]): i for i in indices})
 
     def result(self) -> list:
         """Wait for every estimate; the reports in the order of the settings (`on_done` runs as each arrives)."""
@@ -226,6 +234,15 @@ class Estimates:
                                f"start them again with start_estimates(...)") from self._error
         if self._finished:
             return [self.reports[first] for first in self._first]
+        from .memory import wait_for_estimate
+
+        late = []
+        for i in self._waiting:   # made by another process of the run: wait for it, or estimate it here after all
+            self.reports[i] = wait_for_estimate(self.settings[i])
+            if self.reports[i] is None:
+                late.append(i)
+        self._waiting = []
+        self._submit(late)
         pending = set(self._futures.values())
         for i in sorted(set(self._first) - pending):     # read back from the cache
             self._done(i)
@@ -254,7 +271,9 @@ class Estimates:
                     self.on_done(self.settings[j], self.reports[j])
 
 
-def _init_worker():
+def init_estimate_process():
+    """Sets this process up to estimate on its own: one torch thread, no rank variables (RANK, MASTER_ADDR, ...)
+    that would make it a rank of the caller's process group. Runs in `Estimates`' workers and estimates_ahead."""
     for name in _RANK_ENV:
         os.environ.pop(name, None)
     import torch

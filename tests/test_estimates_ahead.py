@@ -1,10 +1,11 @@
 """fsdplab.estimates_ahead: later lessons' full-scale estimates made ahead during a run of several lessons."""
 
 import json
+from pathlib import Path
 
 import nbformat
 
-from fsdplab import cli, estimates_ahead, memory
+from fsdplab import cli, estimates_ahead, lessons, memory, sweep
 from fsdplab.lessons.activation_checkpointing import estimate_settings
 from fsdplab.lessons.cpu_offload import exact_settings
 from fsdplab.lessons.qwen7b_lora import POSTS_SETTING
@@ -17,16 +18,32 @@ def test_settings_are_the_later_lessons_own_once_each_in_lesson_order():
     assert estimates_ahead.settings_for(["00_start_here", "01_sharding_math"]) == []
 
 
-def test_main_fills_the_cache_and_skips_what_is_there(tmp_path, monkeypatch):
+def test_every_lesson_has_its_module():
+    notebooks = sorted(cli.NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+    assert notebooks
+    for path in notebooks:
+        name = lessons.MODULES[path.stem[:2]]
+        assert path.stem[3:].startswith(name), f"{path.name} is not the lesson of fsdplab.lessons.{name}"
+        assert (Path(lessons.__file__).parent / f"{name}.py").is_file()
+
+
+def test_the_cache_is_filled_and_what_is_there_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
-    listing = json.dumps([memory._setting_payload(tiny)])
-    estimates_ahead.main(listing)
+    estimates_ahead.estimate_missing([tiny])
     cached = memory._cache_path(tiny)
     assert cached.exists() and memory.cached_estimate(tiny).peak_bytes > 0
     before = cached.stat().st_mtime_ns
-    estimates_ahead.main(listing)
+    estimates_ahead.estimate_missing([tiny])
     assert cached.stat().st_mtime_ns == before, "a cached setting was estimated again"
+
+
+def test_main_reads_lesson_names_and_estimates_their_settings(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(estimates_ahead, "estimate_missing", asked.append)
+    monkeypatch.setattr(sweep, "init_estimate_process", lambda: None)   # it would set this process's threads
+    assert estimates_ahead.main(json.dumps(["00_start_here", "06_qwen7b_lora_8xA10"])) == 0
+    assert asked == [[POSTS_SETTING]]
 
 
 def test_started_in_the_background_and_stopped(tmp_path):
@@ -36,7 +53,8 @@ def test_started_in_the_background_and_stopped(tmp_path):
     finally:
         estimates_ahead.stop(process)
     assert process.poll() is not None
-    assert estimates_ahead.start(["00_start_here"], str(tmp_path)) is None
+    nothing = estimates_ahead.start(["00_start_here"], str(tmp_path))   # no setting to estimate: it just ends
+    assert nothing.wait(timeout=120) == 0 and not list(tmp_path.iterdir())
 
 
 def test_runs_of_several_lessons_at_their_defaults_estimate_ahead(tmp_path, monkeypatch):
@@ -56,3 +74,47 @@ def test_runs_of_several_lessons_at_their_defaults_estimate_ahead(tmp_path, monk
     cli.run_lessons(paths, tmp_path / "out", parameters={"steps": 4}, progress=False)   # other settings: none
     cli.run_lessons(paths[:1], tmp_path / "out", progress=False)                      # one lesson: none
     assert len(started) == 1 and len(stopped) == 3
+
+
+def test_a_lesson_waits_for_an_estimate_made_ahead_instead_of_making_it_again(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path / "elsewhere"))
+    made = memory.estimate(tiny, progress=False, subprocess_mode=False)   # the report the other process will write
+    elsewhere = memory._cache_path(tiny)
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path / "run"))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])   # stands for estimates ahead
+    try:
+        memory._pending_path(tiny).parent.mkdir(parents=True)
+        memory._pending_path(tiny).write_text(str(other.pid))
+        assert memory.estimate_under_way(tiny)
+        pending = sweep.start_estimates([tiny, tiny])
+        assert pending._pool is None, "a worker started for a setting another process is estimating"
+        writer = threading.Timer(1.0, lambda: shutil.copy(elsewhere, memory._cache_path(tiny)))
+        writer.start()
+        t0 = time.perf_counter()
+        reports = pending.result()
+        assert time.perf_counter() - t0 >= 0.9 and pending._pool is None
+        assert [r.peak_bytes for r in reports] == [made.peak_bytes] * 2
+    finally:
+        other.kill()
+        other.wait()
+    memory._cache_path(tiny).unlink()
+    assert not memory.estimate_under_way(tiny), "a marker of a process that ended counts as under way"
+    assert memory.estimate(tiny, progress=False, subprocess_mode=False).peak_bytes == made.peak_bytes
+
+
+def test_estimates_ahead_marks_the_setting_it_is_making(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
+    seen = []
+    real = memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda s, **kw: seen.append(memory._pending_path(s).read_text())
+                        or real(s, **kw))
+    estimates_ahead.estimate_missing([tiny])
+    assert seen == [str(__import__("os").getpid())] and not memory._pending_path(tiny).exists()

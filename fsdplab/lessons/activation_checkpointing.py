@@ -33,6 +33,12 @@ def estimate_settings() -> list:
     return [POSTS_SETTING.replace(activation_checkpointing=False), POSTS_SETTING]
 
 
+def settings_ahead() -> list:
+    """What a run of several lessons estimates ahead for this lesson (fsdplab.estimates_ahead): both of
+    `estimate_settings()`, which the lesson needs in its section 3."""
+    return estimate_settings()
+
+
 def twin_config(hidden: int = 128, layers: int = 4, vocab: int = 512, *, dropout: float = 0.0, attention=None):
     """A tiny Qwen-7B twin (Qwen2 layout, hidden `hidden`, `layers` blocks) with attention dropout `dropout`;
     `attention="eager"` makes attention plain matmuls (FlopCounterMode does not count CPU's SDPA kernel)."""

@@ -21,6 +21,12 @@ def exact_settings() -> list:
     return [plain, ckpt, ckpt.replace(cpu_offload=True)]
 
 
+def settings_ahead() -> list:
+    """What a run of several lessons estimates ahead for this lesson (fsdplab.estimates_ahead): the setting with
+    offload. The other two of `exact_settings()` are lesson 01's, which starts them with its imports."""
+    return exact_settings()[2:]   # with offload; the other two are lesson 01's
+
+
 def exact_reports(workers: int = 2, exact: bool = True) -> dict:
     """Per-GPU reports of `exact_settings()`, by EXACT_LABELS: exact (fake tensors, one pool of warm workers
     for all three; the first two are the reports `full_finetune.full_finetune_reports()` computes), or with

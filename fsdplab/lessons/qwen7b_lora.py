@@ -18,6 +18,12 @@ POSTS_SETTING = TrainSetting(model="qwen-7b", world_size=8, strategy="full_shard
 POSTS_BAND_GIB = (17.0, 19.0)   # "17-19 GB per card", read as nvidia-smi's GiB
 
 
+def settings_ahead() -> list:
+    """What a run of several lessons estimates ahead for lesson 06 (fsdplab.estimates_ahead): the posts' setting,
+    which the lesson estimates exactly whatever its parameters (at its defaults the others are lesson 01's)."""
+    return [POSTS_SETTING]
+
+
 # One knob changed from the posts' setting at a time (the lesson's bar chart; `exact_variants` estimates some).
 VARIANTS = {"posts": {}, "no checkpointing": dict(activation_checkpointing=False),
             "SHARD_GRAD_OP": dict(strategy="shard_grad_op"), "bf16": dict(precision="bf16"),
