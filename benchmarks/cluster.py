@@ -1,5 +1,6 @@
-"""How fast the lab's cluster is, next to torchrun: start-up, per-call overhead (collective record on and
-off), hang detection, restart after a fault, stop, and a flood of output.
+"""How fast the lab's cluster is, next to torchrun: start-up (with and without `fsdplab run`'s fork server),
+per-call overhead (collective record on and off), hang detection, restart after a fault, stop, and a flood of
+output.
 
     python benchmarks/cluster.py [--world-size 2] [--calls 50] [--repeats 3]
 
@@ -9,6 +10,7 @@ measured in the same run.
 
 import argparse
 import io
+import os
 import statistics
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 import psutil
 
 import fsdplab
+from fsdplab import forkserver
 
 # The same work for both launchers: start the ranks, one all_reduce, stop.
 TORCHRUN_SCRIPT = """
@@ -60,6 +63,37 @@ def launcher_rows(world_size: int, repeats: int) -> list:
     return [(f"torchrun: start, all_reduce, exit (median of {repeats})", t, "whole process"),
             (f"fsdplab: start, all_reduce, stop (median of {repeats})", f, "whole process"),
             ("fsdplab / torchrun", f / t, "ratio, target <= 1.0")]
+
+
+def forkserver_rows(world_size: int, repeats: int) -> list:
+    """Start to ready group with ranks started from scratch and with ranks forked from a fork server (what
+    `fsdplab run` does), in turns; and the CPU seconds the ranks spent getting there."""
+    server = forkserver.start(tempfile.mkdtemp(prefix="fsdplab-bench-"))
+    if server is None:
+        return [("fork server", float("nan"), "not available on this platform")]
+    path = os.environ.pop(forkserver.ENV)
+    seconds, cpu = {False: [], True: []}, {False: [], True: []}
+    try:
+        for i in range(repeats + 1):   # the first round waits for the server's own imports: not counted
+            for forked in (False, True):
+                if forked:
+                    os.environ[forkserver.ENV] = path
+                t = time.perf_counter()
+                cluster = fsdplab.Cluster(world_size, backend="gloo", quiet=True, spares=False).start()
+                elapsed = time.perf_counter() - t
+                used = sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in cluster.pids)
+                cluster.stop()
+                os.environ.pop(forkserver.ENV, None)
+                if i:
+                    seconds[forked].append(elapsed)
+                    cpu[forked].append(used)
+    finally:
+        forkserver.stop(server)
+    new, fork = statistics.median(seconds[False]), statistics.median(seconds[True])
+    return [(f"start to ready, new rank processes (median of {repeats})", new, "in the kernel"),
+            (f"start to ready, forked ranks (median of {repeats})", fork, f"fork server; ratio {fork / new:.2f}"),
+            ("CPU seconds of all ranks to ready, new processes", statistics.median(cpu[False]), "median"),
+            ("CPU seconds of all ranks to ready, forked", statistics.median(cpu[True]), "median")]
 
 
 def _all_reduce_loop(n):
@@ -178,6 +212,7 @@ def main():
     args = parser.parse_args()
 
     rows = launcher_rows(args.world_size, args.repeats)
+    rows += forkserver_rows(args.world_size, args.repeats)
     rows += record_rows(args.world_size, args.calls)
     rows += fault_rows(args.world_size, args.hang_timeout)
 

@@ -1,6 +1,7 @@
 """Where the lab's time goes: run the lessons as `fsdplab run` does and split each one's seconds by what its cells do.
 
     python benchmarks/lessons.py [LESSON ...] [--out DIR] [--world-size N] [-p NAME VALUE] [--cells N]
+                                 [--no-forkserver]
 
 Prints one row per lesson: its wall-clock seconds (kernel start and saving included), then papermill's
 per-cell durations summed by what each cell does, read from the cell's source:
@@ -15,7 +16,8 @@ A cell that matches several groups counts in the first one listed; `--cells N` a
 slowest cells. Estimates a lesson starts in the background (`sweep.start_estimates`) run while its other cells
 do; the estimates column shows only the wait where the lesson collects them (`.result()`). The last line
 compares the total with the lab's target: every lesson at its defaults in 4 minutes. Timings depend on the
-machine and its load.
+machine and its load: compare runs made back to back (`--no-forkserver` is the reference without the run's
+fork server, where every rank process imports torch itself).
 """
 
 import argparse
@@ -25,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fsdplab import forkserver
 from fsdplab.cli import _value, lesson_paths, run_lessons
 
 TARGET_S = 240.0
@@ -70,7 +73,11 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[])
     parser.add_argument("--cells", type=int, default=0, metavar="N", help="also list each lesson's N slowest cells")
+    parser.add_argument("--no-forkserver", action="store_true",
+                        help="start every rank process from scratch, as without `fsdplab run` (a reference)")
     args = parser.parse_args(argv)
+    if args.no_forkserver:
+        forkserver.start = lambda folder: None
 
     paths = lesson_paths(args.lessons)
     out = Path(args.out or tempfile.mkdtemp(prefix="fsdplab-bench-"))

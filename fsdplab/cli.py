@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import estimates_ahead
+from . import estimates_ahead, forkserver
 from .settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -117,15 +117,19 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     The kernel runs in `out_dir` with FSDPLAB_OUT=`out_dir` (where a lesson writes the files it keeps) and
     FSDPLAB_FIGURES=`figures` (default: the user's FSDPLAB_FIGURES, else `out_dir`/figures); its temporary
     files go to a folder of its own that is removed when the lesson ends, failed or not. The lessons share
-    one FSDPLAB_ESTIMATE_CACHE (the user's, else a temporary one removed at the end)."""
+    one FSDPLAB_ESTIMATE_CACHE (the user's, else a temporary one removed at the end), and their ranks are
+    forks of one fork server (fsdplab.forkserver) that lives as long as the run."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     figures = figures_folder(figures, out)
     # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
     own_cache = None if os.environ.get("FSDPLAB_ESTIMATE_CACHE") else tempfile.mkdtemp(prefix="fsdplab-estimates-")
-    ahead = None
+    ahead = server = None
+    server_dir = tempfile.mkdtemp(prefix="fsdplab-forkserver-")
     try:
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
+            # The lessons' ranks are forks of one process that imported torch once (fsdplab.forkserver).
+            server = forkserver.start(server_dir)
             if len(paths) > 1 and not parameters:
                 # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.estimates_ahead)
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
@@ -133,6 +137,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                     for i, path in enumerate(paths, 1)]
     finally:
         estimates_ahead.stop(ahead)
+        forkserver.stop(server)
+        shutil.rmtree(server_dir, ignore_errors=True)
         if own_cache:
             shutil.rmtree(own_cache, ignore_errors=True)
 

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 
-from . import hang, launchers, slurm
+from . import forkserver, hang, launchers, slurm
 from .faults import RankDied, RankError, RankHang, _running_text, _status_table
 from .processes import (_alive, _check_output, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
                         check_capacity, choose_backend, free_port, gpu_count, max_world_size)
@@ -108,6 +108,7 @@ class Cluster(Waiting):
         self._ipp = self._client = self._reaper = self._finalizer = None
         self._engine_ids: list = []      # engine id of each rank, in rank order
         self._procs: dict = {}           # rank -> psutil.Process (RemoteRank for a rank on another node)
+        self._launched_by: dict = {}     # rank pid -> the launcher's process, where they differ (forkserver)
         self._jobs: list = []            # Slurm job ids, for the finalizer and the watcher (updated in place)
         self._info: list = []
         self._broken: str | None = None
@@ -180,6 +181,9 @@ class Cluster(Waiting):
         # No nanny process per engine: the kernel watches and signals the ranks itself.
         engines.engine_args = ["--IPEngine.enable_nanny=False"]
         engines.engine_cmd = [sys.executable, "-m", "fsdplab._engine"]
+        if self._remote is None:   # on this machine, forks of `fsdplab run`'s fork server where there is one
+            engines.engine_cmd = forkserver.command("fsdplab._engine")
+            self._ipp.config.LocalControllerLauncher.controller_cmd = forkserver.command("ipyparallel.controller")
         launchers.configure(self._ipp, self._remote, env, self._path)  # Slurm, mpiexec or ssh: from these
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self._ipp, self._known_pids, self._reaper,
@@ -297,6 +301,9 @@ class Cluster(Waiting):
         launched = {launcher.pid: launcher.process for engine_set in self._ipp.engines.values()
                     for launcher in getattr(engine_set, "launchers", {}).values()}
         self._procs = {i["rank"]: launched.get(i["pid"]) or psutil.Process(i["pid"]) for i in self._info}
+        # A rank forked by a fork server: the launcher watches its stand-in, which exits with the rank's code.
+        self._launched_by = {i["pid"]: launched[i["launched_by"]] for i in self._info
+                             if i.get("launched_by") != i["pid"] and i.get("launched_by") in launched}
         self._joined()
 
     def _joined(self):

@@ -225,7 +225,9 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
         hang.start_answering(ask_file, _STATE)
     import socket
 
-    return {"rank": rank, "pid": os.getpid(), "device": device_name, "main_thread": _STATE["main_thread"],
+    # A rank forked by `fsdplab run`'s fork server was launched by a stand-in process (fsdplab.forkserver).
+    launched_by = int(os.environ.get("FSDPLAB_LAUNCHED_BY", os.getpid()))
+    return {"rank": rank, "pid": os.getpid(), "launched_by": launched_by, "device": device_name, "main_thread": _STATE["main_thread"],
             "host": socket.gethostname(), "address": address, "ask_port": ask_port}
 
 

@@ -195,6 +195,7 @@ class Waiting:
     def _exit_code(self, proc):
         if isinstance(proc, RemoteRank):
             return None  # the launcher does not report it (Slurm without accounting): "lost contact"
+        proc = self._launched_by.get(proc.pid, proc)   # forked: its stand-in exits with the same code
         # ipyparallel's launcher thread reaps the engine and psutil caches the code on that Process
         # object; waiting here as well would race it for the code.
         # Copies: ipyparallel drops a dead engine from these tables while we look.

@@ -1,0 +1,68 @@
+"""Stand-in for `python -m MODULE ARGS...` that asks fsdplab's fork server to run MODULE in a fork of itself.
+
+    python -I .../fsdplab/_fork_client.py MODULE [ARGS...]
+
+Run by path in isolated mode, it imports only the standard library (about 20 ms) instead of torch. It sends
+the server its environment, working folder and standard streams, then stays as the process its launcher
+started: it passes on the signals it gets and exits as the forked process did (same code, same signal). When
+FSDPLAB_FORKSERVER names no server that answers, it becomes `python -m MODULE ARGS...` itself.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _fallback(module: str, args: list):
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def main(argv: list) -> None:
+    module, args = argv[0], argv[1:]
+    path = os.environ.get("FSDPLAB_FORKSERVER")
+    if not path:
+        _fallback(module, args)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:   # no server (it ended, or never started): an ordinary start
+        conn.close()
+        _fallback(module, args)
+    env = {**os.environ, "FSDPLAB_LAUNCHED_BY": str(os.getpid())}   # which process the launcher watches
+    request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
+    socket.send_fds(conn, [len(request).to_bytes(8, "big")], [0, 1, 2])
+    conn.sendall(request)
+    line = _read_line(conn)
+    if not line:   # the server closed without forking: an ordinary start
+        conn.close()
+        _fallback(module, args)
+    pid = int(line)
+    for sig in _FORWARDED:
+        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+    line = _read_line(conn)   # the forked process's wait status, once it has exited
+    if not line:              # the server died, and its forks with it
+        os._exit(1)
+    code = os.waitstatus_to_exitcode(int(line))
+    if code < 0:              # ended by a signal: end the same way, so the launcher sees the same status
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

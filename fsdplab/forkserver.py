@@ -1,0 +1,232 @@
+"""A fork server for rank processes: torch and ipyparallel imported once, each rank a fork of that process.
+
+Every rank process (and the cluster's controller) otherwise starts a fresh Python that imports ipyparallel
+and torch: about 3.5 s of CPU each, on every start and restart. `fsdplab run` starts one server for the
+whole run (`start`); clusters on this machine then launch `_fork_client.py`, which asks the server for a
+fork that runs the module as `python -m` would, with the client's environment, working folder and standard
+streams. The client stays the process ipyparallel watches: it passes signals on and exits as the fork did.
+
+A fork dies with the server (PR_SET_PDEATHSIG), and the server kills a fork whose client is gone (a killed
+launcher, a killed kernel's watcher). The server dies with the process that started it. Without a server
+(`FSDPLAB_FORKSERVER` unset or not answering), ranks start as before.
+
+    python -c "import sys; from fsdplab.forkserver import serve; serve(sys.argv[1])" SOCKET   (what `start` runs)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENV = "FSDPLAB_FORKSERVER"
+CLIENT = str(Path(__file__).resolve().parent / "_fork_client.py")
+_PR_SET_PDEATHSIG = 1
+
+
+def command(module: str) -> list:
+    """The command that runs `python -m module` through the run's fork server, or directly without one."""
+    if os.environ.get(ENV) and hasattr(os, "pidfd_open"):
+        return [sys.executable, "-I", CLIENT, module]
+    return [sys.executable, "-m", module]
+
+
+def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
+    """Start a server listening in `folder`, set FSDPLAB_FORKSERVER for this process and its children, and
+    return the server's process (None where fork servers do not work: not Linux)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
+        return None
+    path = os.path.join(folder, "forkserver.sock")
+    process = subprocess.Popen([sys.executable, "-c", "import sys; from fsdplab.forkserver import serve; serve(sys.argv[1])", path],
+                               stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+                               env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):   # it listens before it imports: clients wait for their fork
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop(process)
+            return None
+        time.sleep(0.01)
+    os.environ[ENV] = path
+    return process
+
+
+def stop(process: subprocess.Popen | None) -> None:
+    """End the server and every process forked from it; unset FSDPLAB_FORKSERVER."""
+    os.environ.pop(ENV, None)
+    if process is None or process.poll() is not None:
+        return
+    process.kill()   # its forks get SIGKILL from the kernel as it dies (PR_SET_PDEATHSIG)
+    process.wait()
+
+
+def _die_with_parent() -> None:
+    """In a new process: get SIGKILL when the process that started it exits."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _warm() -> None:
+    """What every rank imports: the engine, the controller, torch's distributed and FSDP, fsdplab."""
+    import ipyparallel.controller.app  # noqa: F401
+    import ipyparallel.engine.app  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    import fsdplab.dist  # noqa: F401
+
+
+def _receive(conn: socket.socket) -> tuple:
+    """One request: (module, args, env, cwd) and the client's three standard stream descriptors."""
+    conn.settimeout(10)
+    header, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    if len(header) < 8 or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise OSError("incomplete request")
+    size, data = int.from_bytes(header, "big"), b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            for fd in fds:
+                os.close(fd)
+            raise OSError("incomplete request")
+        data += chunk
+    request = json.loads(data)
+    conn.settimeout(None)
+    return request, fds
+
+
+def _run_child(request: dict, fds: list, server: int) -> None:
+    """In the fork: become `python -m module args` with the client's streams, environment and folder."""
+    import runpy
+    import warnings
+
+    code = 1
+    try:
+        os.setsid()   # as ipyparallel starts its processes: a session of their own
+        _die_with_parent()
+        if os.getppid() != server:   # the server died before the line above
+            os._exit(1)
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ.pop(ENV, None)          # a rank's own subprocesses start the ordinary way
+        tempfile.tempdir = None             # read TMPDIR again: each lesson has its own
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        options = [o for o in os.environ.get("PYTHONWARNINGS", "").split(",") if o]
+        if options:   # what Python does with PYTHONWARNINGS at start-up
+            warnings.resetwarnings()
+            warnings._processoptions(options)
+        sys.argv = [request["module"], *request["args"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as Python itself would: the traceback on stderr, exit code 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()   # as the interpreter does at exit; os._exit leaves the server's state alone
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL a fork and whatever it started in its session."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def serve(path: str) -> None:
+    """Listen at `path`, import what ranks need, then fork one process per request until killed."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.chmod(path + ".tmp", 0o600)
+    listener.listen(64)
+    os.replace(path + ".tmp", path)   # clients that come during the imports wait for their fork
+    _warm()
+    server = os.getpid()
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, ("accept", None))
+    clients, pidfds = {}, {}   # pid -> client connection, pid -> pidfd
+    while True:
+        for key, _ in selector.select():
+            kind, pid = key.data
+            if kind == "accept":
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _receive(conn)
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    conn.close()
+                    for other in clients.values():
+                        other.close()
+                    for fd in pidfds.values():
+                        os.close(fd)
+                    selector.close()
+                    _run_child(request, fds, server)
+                for fd in fds:
+                    os.close(fd)
+                pidfds[pid] = os.pidfd_open(pid)
+                selector.register(pidfds[pid], selectors.EVENT_READ, ("exit", pid))
+                try:
+                    conn.sendall(f"{pid}\n".encode())
+                except OSError:   # the client is gone already
+                    conn.close()
+                    _kill(pid)
+                    continue
+                clients[pid] = conn
+                selector.register(conn, selectors.EVENT_READ, ("client", pid))
+            elif kind == "client":   # a client sends nothing after its request: it is gone, so its fork goes too
+                try:
+                    gone = not key.fileobj.recv(1)
+                except OSError:
+                    gone = True
+                if gone:
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    clients.pop(pid, None)
+                    _kill(pid)
+            else:   # the fork exited: tell its client the wait status
+                _, status = os.waitpid(pid, 0)
+                selector.unregister(key.fileobj)
+                os.close(pidfds.pop(pid))
+                conn = clients.pop(pid, None)
+                if conn is not None:
+                    selector.unregister(conn)
+                    try:
+                        conn.sendall(f"{status}\n".encode())
+                    except OSError:
+                        pass
+                    conn.close()
+

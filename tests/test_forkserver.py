@@ -1,0 +1,119 @@
+"""fsdplab.forkserver: rank processes forked from one process that imported torch once (`fsdplab run`)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import nbformat
+import psutil
+import pytest
+
+import fsdplab
+from fsdplab import cli, forkserver
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork servers run on Linux only")
+
+
+@pytest.fixture()
+def server(tmp_path):
+    process = forkserver.start(str(tmp_path))
+    assert process is not None and os.environ[forkserver.ENV] == str(tmp_path / "forkserver.sock")
+    yield process
+    forkserver.stop(process)
+    assert forkserver.ENV not in os.environ
+
+
+def _forks_of(server) -> list:
+    return [p.pid for p in psutil.Process(server.pid).children()]
+
+
+def _wait_for(condition, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, tmp_path):
+    monkeypatch.setenv("FSDPLAB_TEST_MARK", "from the kernel")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    with fsdplab.Cluster(2, spares=False, quiet=True) as c:
+        assert set(c.pids) <= set(_forks_of(server)), "the ranks are not forks of the server"
+        import torch.distributed as dist
+
+        seen = c.run(lambda: (os.environ.get("FSDPLAB_TEST_MARK"), __import__("tempfile").gettempdir(),
+                              os.environ.get("OMP_NUM_THREADS"), forkserver.ENV in os.environ))
+        assert seen == [("from the kernel", str(scratch), str(c._threads), False)] * 2
+        assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
+    _wait_for(lambda: not _forks_of(server))
+
+
+def test_a_killed_fork_is_rank_died_with_its_signal(server):
+    with fsdplab.Cluster(2, spares=False, quiet=True) as c:
+        os.kill(c.pids[1], signal.SIGKILL)
+        _wait_for(lambda: not psutil.pid_exists(c.pids[1]))   # the server reaps its forks at once
+        with pytest.raises(fsdplab.RankDied) as info:
+            c.run(fsdplab.rank)
+        assert info.value.exits == {1: -signal.SIGKILL}
+        c.restart()
+        assert c.run(fsdplab.rank) == [0, 1]
+
+
+def test_stand_in_passes_streams_exit_codes_and_signals(server):
+    zen = subprocess.run(forkserver.command("this"), capture_output=True, text=True, timeout=60)
+    assert zen.returncode == 0 and "Beautiful is better than ugly" in zen.stdout
+    missing = subprocess.run(forkserver.command("json.tool") + ["/no/such/file"], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "No such file" in missing.stderr   # argparse: exit 2
+    sleeper = subprocess.Popen(forkserver.command("http.server") + ["0", "--bind", "127.0.0.1"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: _forks_of(server))
+    sleeper.terminate()   # SIGTERM to the stand-in reaches the fork, which ends by it
+    assert sleeper.wait(timeout=30) == -signal.SIGTERM
+    _wait_for(lambda: not _forks_of(server))
+
+
+def test_a_fork_dies_with_its_stand_in_and_with_the_server(server):
+    first = subprocess.Popen(forkserver.command("http.server") + ["0", "--bind", "127.0.0.1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: len(_forks_of(server)) == 1)
+    first.kill()   # a killed launcher (or a kernel's watcher killing it): the server kills the fork
+    first.wait()
+    _wait_for(lambda: not _forks_of(server))
+    second = subprocess.Popen(forkserver.command("http.server") + ["0", "--bind", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: len(_forks_of(server)) == 1)
+    fork = psutil.Process(_forks_of(server)[0])
+    server.kill()   # the server gone: its forks go with it (PR_SET_PDEATHSIG), and the stand-in exits
+    fork.wait(timeout=30)
+    assert second.wait(timeout=30) != 0
+
+
+def test_without_an_answering_server_ranks_start_as_usual(tmp_path, monkeypatch):
+    monkeypatch.setenv(forkserver.ENV, str(tmp_path / "nobody-listens.sock"))
+    with fsdplab.Cluster(2, spares=False, quiet=True) as c:
+        assert c.run(fsdplab.rank) == [0, 1]
+        assert all(psutil.Process(pid).cmdline()[1:3] == ["-m", "fsdplab._engine"] for pid in c.pids)
+
+
+def test_fsdplab_run_starts_one_server_and_stops_it(tmp_path, monkeypatch):
+    started, stopped = [], []
+    real_start, real_stop = forkserver.start, forkserver.stop
+    monkeypatch.setattr(forkserver, "start", lambda folder: started.append(real_start(folder)) or started[-1])
+    monkeypatch.setattr(forkserver, "stop", lambda p: stopped.append(p) or real_stop(p))
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import os\nprint(os.environ.get('FSDPLAB_FORKSERVER'))")]
+    paths = [tmp_path / "a.ipynb", tmp_path / "b.ipynb"]
+    for path in paths:
+        nbformat.write(nb, path)
+    rows = cli.run_lessons(paths, tmp_path / "out", progress=False)
+    assert [r[1] for r in rows] == ["ok", "ok"]
+    assert len(started) == 1 and stopped == started and started[0].poll() is not None
+    printed = [nbformat.read(tmp_path / "out" / p.name, 4).cells[0].outputs[0]["text"].strip() for p in paths]
+    assert printed[0] == printed[1] and printed[0].endswith("forkserver.sock"), printed
+    assert forkserver.ENV not in os.environ
