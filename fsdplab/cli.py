@@ -118,7 +118,7 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     FSDPLAB_FIGURES=`figures` (default: the user's FSDPLAB_FIGURES, else `out_dir`/figures); its temporary
     files go to a folder of its own that is removed when the lesson ends, failed or not. The lessons share
     one FSDPLAB_ESTIMATE_CACHE (the user's, else a temporary one removed at the end), and their ranks are
-    forks of one fork server (fsdplab.forkserver) that lives as long as the run."""
+    forks of one fork server (fsdplab.forkserver) that lives as long as the run, as are their kernels."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     figures = figures_folder(figures, out)
@@ -133,8 +133,12 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
             if len(paths) > 1 and not parameters:
                 # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.estimates_ahead)
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
-            return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
-                    for i, path in enumerate(paths, 1)]
+            # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
+            jupyter_path = os.pathsep.join([forkserver.kernel_spec(server_dir)] * (server is not None)
+                                           + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
+            with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
+                return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
+                        for i, path in enumerate(paths, 1)]
     finally:
         estimates_ahead.stop(ahead)
         forkserver.stop(server)

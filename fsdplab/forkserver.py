@@ -1,10 +1,12 @@
 """A fork server for rank processes: torch and ipyparallel imported once, each rank a fork of that process.
 
 Every rank process (and the cluster's controller) otherwise starts a fresh Python that imports ipyparallel
-and torch: about 3.5 s of CPU each, on every start and restart. `fsdplab run` starts one server for the
-whole run (`start`); clusters on this machine then launch `_fork_client.py`, which asks the server for a
-fork that runs the module as `python -m` would, with the client's environment, working folder and standard
-streams. The client stays the process ipyparallel watches: it passes signals on and exits as the fork did.
+and torch: about 3.5 s of CPU each, on every start and restart; each lesson's kernel imports torch,
+matplotlib and ipykernel too. `fsdplab run` starts one server for the whole run (`start`) and points the
+`python3` kernel spec at it (`kernel_spec`); the kernels, and clusters on this machine, then launch
+`_fork_client.py`, which asks the server for a fork that runs the module as `python -m` would, with the
+client's environment, working folder and standard streams. The client stays the process its launcher
+(ipyparallel, jupyter_client) watches: it passes signals on and exits as the fork did.
 
 A fork dies with the server (PR_SET_PDEATHSIG), and the server kills a fork whose client is gone (a killed
 launcher, a killed kernel's watcher). The server dies with the process that started it. Without a server
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 ENV = "FSDPLAB_FORKSERVER"
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"   # what ipykernel sets when MPLBACKEND is unset
 CLIENT = str(Path(__file__).resolve().parent / "_fork_client.py")
 _PR_SET_PDEATHSIG = 1
 
@@ -47,7 +50,8 @@ def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
     path = os.path.join(folder, "forkserver.sock")
     process = subprocess.Popen([sys.executable, "-c", "import sys; from fsdplab.forkserver import serve; serve(sys.argv[1])", path],
                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-                               env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                               env={"MPLBACKEND": INLINE_BACKEND, **os.environ, "OPENBLAS_NUM_THREADS": "1",
+                                    "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + wait_s
     while not os.path.exists(path):   # it listens before it imports: clients wait for their fork
         if process.poll() is not None or time.monotonic() > deadline:
@@ -56,6 +60,17 @@ def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
         time.sleep(0.01)
     os.environ[ENV] = path
     return process
+
+
+def kernel_spec(folder: str) -> str:
+    """Write a `python3` kernel spec whose kernel is a fork of the server into `folder`/kernels; returns
+    `folder`, for JUPYTER_PATH (searched before the installed specs)."""
+    spec = Path(folder) / "kernels" / "python3"
+    spec.mkdir(parents=True, exist_ok=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": command("ipykernel_launcher") + ["-f", "{connection_file}"],
+        "display_name": "Python 3 (ipykernel)", "language": "python", "metadata": {"debugger": True}}))
+    return str(folder)
 
 
 def stop(process: subprocess.Popen | None) -> None:
@@ -76,9 +91,13 @@ def _die_with_parent() -> None:
 
 
 def _warm() -> None:
-    """What every rank imports: the engine, the controller, torch's distributed and FSDP, fsdplab."""
+    """What every rank imports (the engine, the controller, torch's distributed and FSDP, fsdplab) and what
+    every lesson's kernel does (ipykernel, matplotlib with the backend ipykernel picks: `start` sets
+    MPLBACKEND as the kernel will). Nothing that acts on being imported into a kernel (ipywidgets)."""
+    import ipykernel.kernelapp  # noqa: F401
     import ipyparallel.controller.app  # noqa: F401
     import ipyparallel.engine.app  # noqa: F401
+    import matplotlib.figure  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
@@ -123,7 +142,6 @@ def _run_child(request: dict, fds: list, server: int) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        os.environ.pop(ENV, None)          # a rank's own subprocesses start the ordinary way
         tempfile.tempdir = None             # read TMPDIR again: each lesson has its own
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)

@@ -47,7 +47,7 @@ def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, 
 
         seen = c.run(lambda: (os.environ.get("FSDPLAB_TEST_MARK"), __import__("tempfile").gettempdir(),
                               os.environ.get("OMP_NUM_THREADS"), forkserver.ENV in os.environ))
-        assert seen == [("from the kernel", str(scratch), str(c._threads), False)] * 2
+        assert seen == [("from the kernel", str(scratch), str(c._threads), True)] * 2
         assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
     _wait_for(lambda: not _forks_of(server))
 
@@ -100,14 +100,16 @@ def test_without_an_answering_server_ranks_start_as_usual(tmp_path, monkeypatch)
         assert all(psutil.Process(pid).cmdline()[1:3] == ["-m", "fsdplab._engine"] for pid in c.pids)
 
 
-def test_fsdplab_run_starts_one_server_and_stops_it(tmp_path, monkeypatch):
+def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, monkeypatch):
     started, stopped = [], []
     real_start, real_stop = forkserver.start, forkserver.stop
     monkeypatch.setattr(forkserver, "start", lambda folder: started.append(real_start(folder)) or started[-1])
     monkeypatch.setattr(forkserver, "stop", lambda p: stopped.append(p) or real_stop(p))
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("import os\nprint(os.environ.get('FSDPLAB_FORKSERVER'))")]
+    nb.cells = [nbformat.v4.new_code_cell("import os\nprint(os.environ.get('FSDPLAB_FORKSERVER'))"),
+                nbformat.v4.new_code_cell("import psutil, sys\nprint(psutil.Process(os.getppid()).cmdline()[-2], "
+                                          "'torch' in sys.modules)")]
     paths = [tmp_path / "a.ipynb", tmp_path / "b.ipynb"]
     for path in paths:
         nbformat.write(nb, path)
@@ -116,4 +118,6 @@ def test_fsdplab_run_starts_one_server_and_stops_it(tmp_path, monkeypatch):
     assert len(started) == 1 and stopped == started and started[0].poll() is not None
     printed = [nbformat.read(tmp_path / "out" / p.name, 4).cells[0].outputs[0]["text"].strip() for p in paths]
     assert printed[0] == printed[1] and printed[0].endswith("forkserver.sock"), printed
+    parents = [nbformat.read(tmp_path / "out" / p.name, 4).cells[1].outputs[0]["text"].strip() for p in paths]
+    assert parents == ["import sys; from fsdplab.forkserver import serve; serve(sys.argv[1]) True"] * 2, parents
     assert forkserver.ENV not in os.environ
