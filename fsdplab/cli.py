@@ -124,17 +124,18 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     figures = figures_folder(figures, out)
     # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
     own_cache = None if os.environ.get("FSDPLAB_ESTIMATE_CACHE") else tempfile.mkdtemp(prefix="fsdplab-estimates-")
-    ahead = server = None
-    server_dir = tempfile.mkdtemp(prefix="fsdplab-forkserver-")
+    ahead = server = server_dir = None
     try:
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
             # The lessons' ranks are forks of one process that imported torch once (fsdplab.forkserver).
-            server = forkserver.start(server_dir)
+            if forkserver.available():
+                server_dir = tempfile.mkdtemp(prefix="fsdplab-forkserver-")
+                server = forkserver.start(server_dir)
             if len(paths) > 1 and not parameters:
                 # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.estimates_ahead)
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
-            jupyter_path = os.pathsep.join([forkserver.kernel_spec(server_dir)] * (server is not None)
+            jupyter_path = os.pathsep.join(([forkserver.kernel_spec(server_dir)] if server is not None else [])
                                            + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
             with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
                 return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
@@ -142,7 +143,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     finally:
         estimates_ahead.stop(ahead)
         forkserver.stop(server)
-        shutil.rmtree(server_dir, ignore_errors=True)
+        if server_dir:
+            shutil.rmtree(server_dir, ignore_errors=True)
         if own_cache:
             shutil.rmtree(own_cache, ignore_errors=True)
 

@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 from ._torch_private import CATEGORIES
-from .memory import CATEGORY_LABELS
+from .report import CATEGORY_LABELS
 from .settings import GIB, MIB
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",

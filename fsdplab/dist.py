@@ -16,6 +16,9 @@ import threading
 
 # Filled by setup() on a rank; empty in the notebook kernel.
 _STATE: dict = {}
+# In a process forked by `fsdplab run`'s fork server: the pid of the stand-in process that its launcher started
+# and watches (fsdplab.forkserver sets it). None elsewhere: the process was launched as itself.
+launched_by: int | None = None
 
 
 def _require_rank(what: str):
@@ -225,10 +228,9 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
         hang.start_answering(ask_file, _STATE)
     import socket
 
-    # A rank forked by `fsdplab run`'s fork server was launched by a stand-in process (fsdplab.forkserver).
-    launched_by = int(os.environ.get("FSDPLAB_LAUNCHED_BY", os.getpid()))
-    return {"rank": rank, "pid": os.getpid(), "launched_by": launched_by, "device": device_name, "main_thread": _STATE["main_thread"],
-            "host": socket.gethostname(), "address": address, "ask_port": ask_port}
+    return {"rank": rank, "pid": os.getpid(), "launched_by": launched_by or os.getpid(), "device": device_name,
+            "main_thread": _STATE["main_thread"], "host": socket.gethostname(), "address": address,
+            "ask_port": ask_port}
 
 
 def teardown() -> None:

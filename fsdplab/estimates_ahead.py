@@ -75,7 +75,8 @@ def stop(process: subprocess.Popen | None) -> None:
 
 def estimate_missing(settings) -> None:
     """Estimate each of `settings` that is not yet in the run's cache (which the estimates fill)."""
-    from .memory import cached_estimate, estimate, estimate_under_way, marked_under_way
+    from .estimate_cache import cached_estimate, estimate_under_way, marked_under_way
+    from .memory import estimate   # looked up at each call: a test replaces it
 
     for setting in settings:
         if cached_estimate(setting) is None and not estimate_under_way(setting):

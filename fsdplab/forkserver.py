@@ -35,17 +35,22 @@ CLIENT = str(Path(__file__).resolve().parent / "_fork_client.py")
 _PR_SET_PDEATHSIG = 1
 
 
+def available() -> bool:
+    """Whether fork servers work here: Linux with os.pidfd_open (the server waits on its forks with pidfds)."""
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+
+
 def command(module: str) -> list:
     """The command that runs `python -m module` through the run's fork server, or directly without one."""
-    if os.environ.get(ENV) and hasattr(os, "pidfd_open"):
+    if os.environ.get(ENV) and available():
         return [sys.executable, "-I", CLIENT, module]
     return [sys.executable, "-m", module]
 
 
 def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
     """Start a server listening in `folder`, set FSDPLAB_FORKSERVER for this process and its children, and
-    return the server's process (None where fork servers do not work: not Linux)."""
-    if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
+    return the server's process (None where fork servers do not work, see `available`, or it did not start)."""
+    if not available():
         return None
     path = os.path.join(folder, "forkserver.sock")
     process = subprocess.Popen([sys.executable, "-c", "import sys; from fsdplab.forkserver import serve; serve(sys.argv[1])", path],
@@ -142,6 +147,12 @@ def _run_child(request: dict, fds: list, server: int) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        from . import dist
+
+        # The client's pid, for this process only (dist.setup reports it): what this process starts the
+        # ordinary way was not launched by the client.
+        stand_in = os.environ.pop("FSDPLAB_LAUNCHED_BY", None)
+        dist.launched_by = int(stand_in) if stand_in else None
         tempfile.tempdir = None             # read TMPDIR again: each lesson has its own
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)

@@ -9,7 +9,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .memory import MemoryReport
+from .report import MemoryReport
 from .settings import FSDP_STRATEGIES, GIB, TrainSetting, as_setting
 
 

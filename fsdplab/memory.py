@@ -1,10 +1,13 @@
-"""How much memory one rank needs, as a `MemoryReport`: exact on fake tensors, or measured on live ranks.
+"""How much memory one rank needs, as a `MemoryReport` (fsdplab.report, re-exported here with `CATEGORIES`
+and `CATEGORY_LABELS`): exact on fake tensors, or measured on live ranks.
 
 - `estimate(setting)`: the exact per-rank figure of a real training step at full scale, without GPUs: a fake
   process group of any world size, fake tensors, FSDP2 and two optimizer steps under torch's FSDP memory
   tracker (see fsdplab/_torch_private.py). Qwen-7B on 8 ranks takes seconds and a few hundred MB of RAM.
 - `measure(...)` / `measure_setting(setting)`: what live ranks really hold, per category (inside `cluster.run`).
 - The analytic model is `fsdplab.formula.formula(setting)`; it returns the same report.
+- Within one `fsdplab run`, `estimate` reads back, or waits for, what the run already estimated (the run's
+  cache, fsdplab.estimate_cache) and adds what it works out itself.
 
 Every answer has the same six categories: parameters, gradients, optimizer_state, activations,
 communication_buffers, other.
@@ -12,78 +15,20 @@ communication_buffers, other.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
+from . import estimate_cache
 from ._torch_private import CATEGORIES
-from .settings import EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
+from .report import CATEGORY_LABELS, MemoryReport
+from .settings import (EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice, setting_from_payload,
+                       setting_payload)
 
-CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
-                   "activations": "activations", "communication_buffers": "communication buffers",
-                   "other": "other (temporaries, buffers)"}
-
-
-# --- the report ---------------------------------------------------------------------------------------
-
-@dataclass
-class MemoryReport:
-    """Per-rank memory of one training setup. Bytes throughout."""
-
-    peak_bytes: int
-    by_category: dict
-    world_size: int
-    settings: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
-    source: str = "estimate"          # "formula", "estimate" (fake tensors) or "measure" (live ranks)
-    resident: dict = field(default_factory=dict)   # steady-state sharded parameters / gradients / optimizer state
-    detail: dict = field(default_factory=dict)     # the tracker's own categories at the peak, or formula terms
-    category_peaks: dict = field(default_factory=dict)  # each category's own maximum over the step
-    seconds: float = 0.0
-
-    def fits(self, gpu_mem_gib: float, reserve_gib: float = 0.0) -> bool:
-        """True if the peak fits in `gpu_mem_gib` GiB, keeping `reserve_gib` for the CUDA context and
-        allocator fragmentation (which no estimate here includes)."""
-        return self.peak_bytes <= (gpu_mem_gib - reserve_gib) * GIB
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "MemoryReport":
-        return cls(**data)
-
-    def table(self, gpu_mem_gib: float | None = None) -> str:
-        """A readable per-category table (GiB), the peak and, with `gpu_mem_gib`, whether it fits."""
-        settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
-        lines = [f"per-rank memory ({self.source}), world size {self.world_size}", f"  {settings}", ""]
-        width = max(len(v) for v in CATEGORY_LABELS.values())
-        unit, div = ("GiB", GIB) if self.peak_bytes >= GIB / 4 else ("MiB", MIB)
-        for name in CATEGORIES:
-            value = self.by_category.get(name, 0)
-            share = value / self.peak_bytes if self.peak_bytes else 0.0
-            lines.append(f"  {CATEGORY_LABELS[name]:<{width}}  {value / div:9.3f} {unit}  {share:6.1%}")
-        lines.append(f"  {'peak':<{width}}  {self.peak_bytes / div:9.3f} {unit}")
-        if self.resident:
-            lines.append("  resident shards: " + ", ".join(f"{k} {v / div:.3f} {unit}"
-                                                          for k, v in self.resident.items()))
-        if gpu_mem_gib is not None:
-            verdict = "fits" if self.fits(gpu_mem_gib) else "does NOT fit"
-            lines.append(f"  {verdict} in {gpu_mem_gib:g} GiB per GPU")
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
+__all__ = ["CATEGORIES", "CATEGORY_LABELS", "MemoryReport", "estimate", "measure", "measure_setting"]
 
 
 # --- training steps under the tracker (shared by estimate and measure) ------------------------------------
@@ -209,109 +154,18 @@ def _progress_printer(enabled, label, stream=None):
 
 def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -> MemoryReport:
     say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}", progress_stream)
-    report = cached_estimate(setting)
+    report = estimate_cache.cached_estimate(setting)
     if report is not None:
         say(f"reused the estimate made earlier in this run (it took {report.seconds:.1f} s)")
         return report
-    if estimate_under_way(setting):
+    if estimate_cache.estimate_under_way(setting):
         say("another process of this run is estimating this setting already: waiting for its report")
-        report = wait_for_estimate(setting)
+        report = estimate_cache.wait_for_estimate(setting)
         if report is not None:
             return report
-    cached = _cache_path(setting)
     report = _compute_estimate(setting, say)
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-        tmp.write_text(report.to_json())
-        os.replace(tmp, cached)   # atomic: a reader sees the whole report or none
+    estimate_cache.store(setting, report)
     return report
-
-
-def cached_estimate(setting: TrainSetting) -> MemoryReport | None:
-    """The report this run already made for `setting` (FSDPLAB_ESTIMATE_CACHE), with a note saying so; None
-    when there is none (or no cache)."""
-    cached = _cache_path(setting)
-    if cached is None or not cached.exists():
-        return None
-    report = MemoryReport.from_dict(json.loads(cached.read_text()))
-    report.notes.append(f"reused: this run estimated the same setting before, with the same fsdplab code and "
-                        f"torch ({report.seconds:.1f} s then); FSDPLAB_ESTIMATE_CACHE={cached.parent}")
-    return report
-
-
-def estimate_under_way(setting: TrainSetting) -> bool:
-    """Whether another live process of this run is estimating `setting` now (fsdplab.estimates_ahead)."""
-    marker = _pending_path(setting)
-    if marker is None:
-        return False
-    try:
-        pid = int(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    import psutil
-
-    from .processes import _alive
-
-    try:
-        return pid != os.getpid() and _alive(psutil.Process(pid))
-    except psutil.Error:
-        return False
-
-
-def wait_for_estimate(setting: TrainSetting) -> MemoryReport | None:
-    """The report of an estimate another process of this run is making (`estimate_under_way`), once it is
-    there; None when none is under way or that process ended without one. Waiting rather than estimating the
-    same setting again in parallel leaves that process the whole CPU."""
-    while cached_estimate(setting) is None and estimate_under_way(setting):
-        time.sleep(0.2)
-    return cached_estimate(setting)
-
-
-@contextlib.contextmanager
-def marked_under_way(setting: TrainSetting):
-    """While the block runs, other processes of this run see `setting` as under way here (and wait for it)."""
-    marker = _pending_path(setting)
-    if marker is not None:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(str(os.getpid()))
-    try:
-        yield
-    finally:
-        if marker is not None:
-            marker.unlink(missing_ok=True)
-
-
-def _pending_path(setting: TrainSetting):
-    cached = _cache_path(setting)
-    return None if cached is None else cached.with_suffix(".pending")
-
-
-def _cache_path(setting: TrainSetting):
-    """Where FSDPLAB_ESTIMATE_CACHE (a folder; `fsdplab run` sets one per run so that lessons sharing a setting
-    estimate it once) keeps `setting`'s report: named by a hash of the setting, the torch version and every
-    source file of fsdplab, so a changed estimator never reuses an old figure. None when the variable is unset."""
-    import hashlib
-
-    folder = os.environ.get("FSDPLAB_ESTIMATE_CACHE")
-    if not folder:
-        return None
-    import torch
-
-    key = hashlib.sha256(json.dumps(_setting_payload(setting), sort_keys=True, default=str).encode())
-    key.update(torch.__version__.encode())
-    key.update(_code_fingerprint().encode())
-    return Path(folder) / f"{key.hexdigest()[:24]}.json"
-
-
-@functools.lru_cache(maxsize=1)
-def _code_fingerprint() -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def _compute_estimate(setting: TrainSetting, say) -> MemoryReport:
@@ -420,27 +274,8 @@ def _step_local_shards(optimizer) -> None:
     optimizer.register_step_post_hook(take_back)
 
 
-def _setting_payload(setting: TrainSetting) -> dict:
-    data = {name: getattr(setting, name) for name in setting.__dataclass_fields__}
-    if not isinstance(setting.model, (str, int, float)):
-        config = setting.model
-        data["model"] = {"config_class": f"{type(config).__module__}.{type(config).__name__}",
-                         "config": config.to_dict()}
-    return data
-
-
-def _setting_from_payload(data: dict) -> TrainSetting:
-    model = data["model"]
-    if isinstance(model, dict):
-        import importlib
-
-        module, _, name = model["config_class"].rpartition(".")
-        data = dict(data, model=getattr(importlib.import_module(module), name)(**model["config"]))
-    return TrainSetting(**data)
-
-
 def _estimate_in_subprocess(setting: TrainSetting, progress) -> MemoryReport:
-    payload = json.dumps({"setting": _setting_payload(setting), "progress": bool(progress)})
+    payload = json.dumps({"setting": setting_payload(setting), "progress": bool(progress)})
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -461,7 +296,7 @@ def _estimate_in_subprocess(setting: TrainSetting, progress) -> MemoryReport:
 
 def _subprocess_main(argv) -> int:
     payload = json.loads(argv[0])
-    report = _estimate_here(_setting_from_payload(payload["setting"]), progress=payload["progress"],
+    report = _estimate_here(setting_from_payload(payload["setting"]), progress=payload["progress"],
                             progress_stream=sys.stderr)
     print(report.to_json(), flush=True)
     return 0

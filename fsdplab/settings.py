@@ -1,5 +1,7 @@
 """One training setting, validated once: what `formula`, `estimate`, `measure`, the CLI and the LoRA recipe
-take. Variants are `dataclasses.replace(setting, field=value)` (or `setting.replace(...)`).
+take. Variants are `dataclasses.replace(setting, field=value)` (or `setting.replace(...)`);
+`setting_payload` / `setting_from_payload` carry one through JSON (the estimate cache's key, an estimate
+subprocess).
 
 Also the lab's shared vocabulary: the strategy, precision and optimizer names, dtypes and byte units,
 each defined here and nowhere else.
@@ -159,3 +161,25 @@ def as_setting(setting: TrainSetting | None = None, **changes) -> TrainSetting:
         raise ValueError(f"expected a TrainSetting, got {type(setting).__name__}: pass fields as keywords, e.g. "
                          "model='qwen-7b', world_size=8.")
     return dataclasses.replace(setting, **changes) if changes else setting
+
+
+def setting_payload(setting: TrainSetting) -> dict:
+    """`setting` as JSON-ready values, a transformers config as its class and dict: what the estimate cache
+    hashes and what an estimate subprocess receives (`setting_from_payload` turns it back)."""
+    data = {name: getattr(setting, name) for name in setting.__dataclass_fields__}
+    if not isinstance(setting.model, (str, int, float)):
+        config = setting.model
+        data["model"] = {"config_class": f"{type(config).__module__}.{type(config).__name__}",
+                         "config": config.to_dict()}
+    return data
+
+
+def setting_from_payload(data: dict) -> TrainSetting:
+    """The TrainSetting of a `setting_payload`."""
+    model = data["model"]
+    if isinstance(model, dict):
+        import importlib
+
+        module, _, name = model["config_class"].rpartition(".")
+        data = dict(data, model=getattr(importlib.import_module(module), name)(**model["config"]))
+    return TrainSetting(**data)

@@ -17,7 +17,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .memory import MemoryReport, estimate
+from .memory import estimate
+from .report import MemoryReport
 from .settings import GIB, MIB, TrainSetting
 
 # Variables a worker must not inherit: with them it would think it is a rank of the caller's process group.
@@ -196,7 +197,7 @@ class Estimates:
     """Exact estimates under way in worker processes (see `start_estimates`)."""
 
     def __init__(self, settings: list, workers: int = 2, on_done=None):
-        from .memory import cached_estimate, estimate_under_way
+        from .estimate_cache import cached_estimate, estimate_under_way
 
         self.settings, self.on_done = settings, on_done
         self.reports: list = [None] * len(settings)
@@ -234,7 +235,7 @@ class Estimates:
                                f"start them again with start_estimates(...)") from self._error
         if self._finished:
             return [self.reports[first] for first in self._first]
-        from .memory import wait_for_estimate
+        from .estimate_cache import wait_for_estimate
 
         late = []
         for i in self._waiting:   # made by another process of the run: wait for it, or estimate it here after all

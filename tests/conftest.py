@@ -3,9 +3,11 @@
 `cluster` hands each module the shared cluster, healthy: if an earlier module left it stopped, broken (a
 planted hang, a killed rank) or unresponsive, it is restarted first. A module that needs a cluster of its
 own (another world size, a fresh start) makes it itself; `fault_on_fresh_pair` does it for a planted fault
-that must be reported in time and recovered from.
+that must be reported in time and recovered from, `assert_killed_rank_is_died_then_restarts` for a rank
+killed by a signal.
 """
 
+import os
 import signal
 import time
 
@@ -72,3 +74,23 @@ def _fault_on_a_fresh_pair(code: str, error: type, *, within: float, timeout: fl
 def fault_on_fresh_pair():
     """`_fault_on_a_fresh_pair` for a test to call (a fixture: test modules do not import conftest)."""
     return _fault_on_a_fresh_pair
+
+
+def _assert_killed_rank_is_died_then_restarts(cluster, wait_until_dead) -> None:
+    """Kill rank 1 of the 2-rank `cluster` with SIGKILL and call `wait_until_dead(pid)`, which returns once the
+    kill has taken (each caller knows how its ranks are reaped). The next call must raise RankDied with the
+    signal as the rank's exit, and the cluster must restart and answer again."""
+    pid = cluster.pids[1]
+    os.kill(pid, signal.SIGKILL)
+    wait_until_dead(pid)
+    with pytest.raises(fsdplab.RankDied) as info:
+        cluster.run(fsdplab.rank)
+    assert info.value.exits == {1: -signal.SIGKILL}
+    cluster.restart()
+    assert cluster.run(fsdplab.rank) == [0, 1]
+
+
+@pytest.fixture
+def assert_killed_rank_is_died_then_restarts():
+    """`_assert_killed_rank_is_died_then_restarts` for a test to call."""
+    return _assert_killed_rank_is_died_then_restarts

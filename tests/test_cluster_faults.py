@@ -4,7 +4,6 @@ interrupts, loopback-only sockets, and nothing left behind (processes, scratch f
 import _thread
 import io
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -96,11 +95,10 @@ def test_a_rank_raising_while_others_wait_in_a_collective_is_reported_at_once(fa
     assert "restart" in str(error)
 
 
-def test_a_rank_killed_while_idle_is_rank_died_at_the_next_call():
-    with fsdplab.Cluster(2, backend="gloo", quiet=True) as c:
-        os.kill(c.pids[1], signal.SIGKILL)
+def test_a_rank_killed_while_idle_is_rank_died_at_the_next_call(assert_killed_rank_is_died_then_restarts):
+    def wait_until_dead(pid):
         # Wait until it is dead without reaping it: the cluster's own wait reads its exit code.
-        pid, deadline = c.pids[1], time.monotonic() + 10
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
@@ -108,11 +106,9 @@ def test_a_rank_killed_while_idle_is_rank_died_at_the_next_call():
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.05)
-        with pytest.raises(fsdplab.RankDied) as info:
-            c.run(fsdplab.rank)
-        assert info.value.exits == {1: -signal.SIGKILL}
-        c.restart()
-        assert c.run(fsdplab.rank) == [0, 1]
+
+    with fsdplab.Cluster(2, backend="gloo", quiet=True) as c:
+        assert_killed_rank_is_died_then_restarts(c, wait_until_dead)
 
 
 def test_timeouts_must_be_positive(cluster):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import nbformat
 
-from fsdplab import cli, estimates_ahead, lessons, memory, sweep
+from fsdplab import cli, estimate_cache, estimates_ahead, lessons, memory, sweep
 from fsdplab.lessons.activation_checkpointing import estimate_settings
 from fsdplab.lessons.cpu_offload import exact_settings
 from fsdplab.lessons.qwen7b_lora import POSTS_SETTING
@@ -31,8 +31,8 @@ def test_the_cache_is_filled_and_what_is_there_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
     estimates_ahead.estimate_missing([tiny])
-    cached = memory._cache_path(tiny)
-    assert cached.exists() and memory.cached_estimate(tiny).peak_bytes > 0
+    cached = estimate_cache.cache_path(tiny)
+    assert cached.exists() and estimate_cache.cached_estimate(tiny).peak_bytes > 0
     before = cached.stat().st_mtime_ns
     estimates_ahead.estimate_missing([tiny])
     assert cached.stat().st_mtime_ns == before, "a cached setting was estimated again"
@@ -86,16 +86,16 @@ def test_a_lesson_waits_for_an_estimate_made_ahead_instead_of_making_it_again(tm
     tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path / "elsewhere"))
     made = memory.estimate(tiny, progress=False, subprocess_mode=False)   # the report the other process will write
-    elsewhere = memory._cache_path(tiny)
+    elsewhere = estimate_cache.cache_path(tiny)
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path / "run"))
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])   # stands for estimates ahead
     try:
-        memory._pending_path(tiny).parent.mkdir(parents=True)
-        memory._pending_path(tiny).write_text(str(other.pid))
-        assert memory.estimate_under_way(tiny)
+        estimate_cache.pending_path(tiny).parent.mkdir(parents=True)
+        estimate_cache.pending_path(tiny).write_text(str(other.pid))
+        assert estimate_cache.estimate_under_way(tiny)
         pending = sweep.start_estimates([tiny, tiny])
         assert pending._pool is None, "a worker started for a setting another process is estimating"
-        writer = threading.Timer(1.0, lambda: shutil.copy(elsewhere, memory._cache_path(tiny)))
+        writer = threading.Timer(1.0, lambda: shutil.copy(elsewhere, estimate_cache.cache_path(tiny)))
         writer.start()
         t0 = time.perf_counter()
         reports = pending.result()
@@ -104,8 +104,8 @@ def test_a_lesson_waits_for_an_estimate_made_ahead_instead_of_making_it_again(tm
     finally:
         other.kill()
         other.wait()
-    memory._cache_path(tiny).unlink()
-    assert not memory.estimate_under_way(tiny), "a marker of a process that ended counts as under way"
+    estimate_cache.cache_path(tiny).unlink()
+    assert not estimate_cache.estimate_under_way(tiny), "a marker of a process that ended counts as under way"
     assert memory.estimate(tiny, progress=False, subprocess_mode=False).peak_bytes == made.peak_bytes
 
 
@@ -114,7 +114,7 @@ def test_estimates_ahead_marks_the_setting_it_is_making(tmp_path, monkeypatch):
     tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
     seen = []
     real = memory.estimate
-    monkeypatch.setattr(memory, "estimate", lambda s, **kw: seen.append(memory._pending_path(s).read_text())
+    monkeypatch.setattr(memory, "estimate", lambda s, **kw: seen.append(estimate_cache.pending_path(s).read_text())
                         or real(s, **kw))
     estimates_ahead.estimate_missing([tiny])
-    assert seen == [str(__import__("os").getpid())] and not memory._pending_path(tiny).exists()
+    assert seen == [str(__import__("os").getpid())] and not estimate_cache.pending_path(tiny).exists()

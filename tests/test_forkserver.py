@@ -46,21 +46,17 @@ def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, 
         import torch.distributed as dist
 
         seen = c.run(lambda: (os.environ.get("FSDPLAB_TEST_MARK"), __import__("tempfile").gettempdir(),
-                              os.environ.get("OMP_NUM_THREADS"), forkserver.ENV in os.environ))
-        assert seen == [("from the kernel", str(scratch), str(c._threads), True)] * 2
+                              os.environ.get("OMP_NUM_THREADS"), forkserver.ENV in os.environ,
+                              "FSDPLAB_LAUNCHED_BY" in os.environ))
+        assert seen == [("from the kernel", str(scratch), str(c._threads), True, False)] * 2
         assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
     _wait_for(lambda: not _forks_of(server))
 
 
-def test_a_killed_fork_is_rank_died_with_its_signal(server):
+def test_a_killed_fork_is_rank_died_with_its_signal(server, assert_killed_rank_is_died_then_restarts):
     with fsdplab.Cluster(2, spares=False, quiet=True) as c:
-        os.kill(c.pids[1], signal.SIGKILL)
-        _wait_for(lambda: not psutil.pid_exists(c.pids[1]))   # the server reaps its forks at once
-        with pytest.raises(fsdplab.RankDied) as info:
-            c.run(fsdplab.rank)
-        assert info.value.exits == {1: -signal.SIGKILL}
-        c.restart()
-        assert c.run(fsdplab.rank) == [0, 1]
+        # the server reaps its forks at once
+        assert_killed_rank_is_died_then_restarts(c, lambda pid: _wait_for(lambda: not psutil.pid_exists(pid)))
 
 
 def test_stand_in_passes_streams_exit_codes_and_signals(server):

@@ -82,13 +82,13 @@ def test_fixed_statements_stay_fixed():
 def test_estimates_read_back_and_deduplicated_start_no_worker(tmp_path, monkeypatch):
     # an estimate this run already made (FSDPLAB_ESTIMATE_CACHE) is read back, and a setting listed twice is
     # looked up once: with every setting cached, no worker process starts
-    from fsdplab import memory
+    from fsdplab import estimate_cache, memory
     from fsdplab.sweep import start_estimates
 
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     plain, ckpt = full_finetune_settings()
     for setting, peak in ((plain, 28), (ckpt, 21)):
-        path = memory._cache_path(setting)
+        path = estimate_cache.cache_path(setting)
         path.write_text(memory.MemoryReport(peak_bytes=peak, by_category={}, world_size=8).to_json())
     seen = []
     pending = start_estimates([plain, ckpt, plain], on_done=lambda s, r: seen.append(r.peak_bytes))

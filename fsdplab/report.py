@@ -1,0 +1,68 @@
+"""`MemoryReport`: one rank's memory of one training setup, per category, as the formula, the fake-tensor
+estimate and live measurement all give it; `CATEGORY_LABELS` names the six categories for people."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ._torch_private import CATEGORIES
+from .settings import GIB, MIB
+
+CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+                   "activations": "activations", "communication_buffers": "communication buffers",
+                   "other": "other (temporaries, buffers)"}
+
+
+@dataclass
+class MemoryReport:
+    """Per-rank memory of one training setup. Bytes throughout."""
+
+    peak_bytes: int
+    by_category: dict
+    world_size: int
+    settings: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    source: str = "estimate"          # "formula", "estimate" (fake tensors) or "measure" (live ranks)
+    resident: dict = field(default_factory=dict)   # steady-state sharded parameters / gradients / optimizer state
+    detail: dict = field(default_factory=dict)     # the tracker's own categories at the peak, or formula terms
+    category_peaks: dict = field(default_factory=dict)  # each category's own maximum over the step
+    seconds: float = 0.0
+
+    def fits(self, gpu_mem_gib: float, reserve_gib: float = 0.0) -> bool:
+        """True if the peak fits in `gpu_mem_gib` GiB, keeping `reserve_gib` for the CUDA context and
+        allocator fragmentation (which no estimate here includes)."""
+        return self.peak_bytes <= (gpu_mem_gib - reserve_gib) * GIB
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MemoryReport":
+        return cls(**data)
+
+    def table(self, gpu_mem_gib: float | None = None) -> str:
+        """A readable per-category table (GiB), the peak and, with `gpu_mem_gib`, whether it fits."""
+        settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
+        lines = [f"per-rank memory ({self.source}), world size {self.world_size}", f"  {settings}", ""]
+        width = max(len(v) for v in CATEGORY_LABELS.values())
+        unit, div = ("GiB", GIB) if self.peak_bytes >= GIB / 4 else ("MiB", MIB)
+        for name in CATEGORIES:
+            value = self.by_category.get(name, 0)
+            share = value / self.peak_bytes if self.peak_bytes else 0.0
+            lines.append(f"  {CATEGORY_LABELS[name]:<{width}}  {value / div:9.3f} {unit}  {share:6.1%}")
+        lines.append(f"  {'peak':<{width}}  {self.peak_bytes / div:9.3f} {unit}")
+        if self.resident:
+            lines.append("  resident shards: " + ", ".join(f"{k} {v / div:.3f} {unit}"
+                                                          for k, v in self.resident.items()))
+        if gpu_mem_gib is not None:
+            verdict = "fits" if self.fits(gpu_mem_gib) else "does NOT fit"
+            lines.append(f"  {verdict} in {gpu_mem_gib:g} GiB per GPU")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
