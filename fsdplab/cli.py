@@ -135,8 +135,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                 # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.estimates_ahead)
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
-            jupyter_path = os.pathsep.join(([forkserver.kernel_spec(server_dir)] if server is not None else [])
-                                           + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
+            kernels = [forkserver.kernel_spec(server_dir)] if server is not None else []
+            jupyter_path = os.pathsep.join(kernels + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
             with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
                 return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
                         for i, path in enumerate(paths, 1)]

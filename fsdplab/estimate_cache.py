@@ -65,9 +65,10 @@ def wait_for_estimate(setting: TrainSetting) -> MemoryReport | None:
     """The report of an estimate another process of this run is making (`estimate_under_way`), once it is
     there; None when none is under way or that process ended without one. Waiting rather than estimating the
     same setting again in parallel leaves that process the whole CPU."""
-    while cached_estimate(setting) is None and estimate_under_way(setting):
+    while (report := cached_estimate(setting)) is None and estimate_under_way(setting):
         time.sleep(0.2)
-    return cached_estimate(setting)
+    # read once more after the maker ended: it stores its report before it removes its marker
+    return report if report is not None else cached_estimate(setting)
 
 
 @contextlib.contextmanager
