@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 
-from . import forkserver, hang, launchers, slurm
+from . import forkserver, hang, launchers, shipped_code, slurm
 from .faults import RankDied, RankError, RankHang, _running_text, _status_table
 from .processes import (_alive, _check_output, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
                         check_capacity, choose_backend, free_port, gpu_count, max_world_size)
@@ -423,7 +423,8 @@ class Cluster(Waiting):
         _check_timeout(timeout)
         with self._lock:
             selected = self._ranks(ranks)
-            results = {r: self._client[self._engine_ids[r]].apply_async(dist.call, fn, args, kwargs)
+            origins = shipped_code.origins(fn, args, kwargs)  # the cells the ranks' tracebacks name
+            results = {r: self._client[self._engine_ids[r]].apply_async(dist.call, fn, args, kwargs, origins)
                        for r in selected}
             return self._wait(results, timeout, quiet)
 
@@ -468,10 +469,14 @@ class Cluster(Waiting):
     def push(self, ranks=None, timeout: float | None = None, **values) -> None:
         """Set variables in each rank's namespace."""
         __tracebackhide__ = True  # noqa: F841
+        from . import dist
+
         _check_timeout(timeout)
         with self._lock:
             selected = self._ranks(ranks)
-            results = {r: self._client[self._engine_ids[r]].push(values, block=False) for r in selected}
+            origins = shipped_code.origins(values)
+            results = {r: self._client[self._engine_ids[r]].apply_async(dist.push, values, origins)
+                       for r in selected}
             self._wait(results, timeout, quiet=True)
 
     def status(self, quiet: bool = False) -> list:

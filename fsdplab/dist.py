@@ -272,15 +272,31 @@ def _running(what: str):
     _STATE["now"] = (what, __import__("time").time())
 
 
-def call(fn, args: tuple, kwargs: dict):
-    """Run one kernel call on this rank; an exception (even SystemExit) comes back as a Failure."""
+def call(fn, args: tuple, kwargs: dict, origins: dict | None = None):
+    """Run one kernel call on this rank; an exception (even SystemExit) comes back as a Failure.
+
+    `origins`: the filenames the kernel compiled the shipped code under (fsdplab.shipped_code), put back
+    before the call so that tracebacks and hang stacks name the notebook's cells."""
+    from . import shipped_code
+
     _running(getattr(fn, "__qualname__", repr(fn)))
     try:
+        shipped_code.restore(origins, fn, args, kwargs)
         return fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - the rank must live on and report it
         return Failure.of(exc)
     finally:
         _STATE["now"] = None
+
+
+def push(values: dict, origins: dict | None = None) -> None:
+    """Set variables in this rank's namespace (what %%ranks cells see), their code named as in the kernel."""
+    from IPython import get_ipython
+
+    from . import shipped_code
+
+    shipped_code.restore(origins, values)
+    get_ipython().user_ns.update(values)
 
 
 def _blank_head(text: str) -> int:

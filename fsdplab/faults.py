@@ -13,7 +13,17 @@ import signal
 from . import hang
 from .tracebacks import describe_failures, group_same, rank_list
 
-class RankError(RuntimeError):
+class _ShownInNotebook:
+    """IPython shows these with the notebook's own frames only: the lab's frames that raised them mark
+    themselves `__tracebackhide__`, and IPython would still show the last of them (the one that raised)."""
+
+    def _render_traceback_(self) -> list:
+        from .tracebacks import notebook_traceback
+
+        return notebook_traceback(self)
+
+
+class RankError(_ShownInNotebook, RuntimeError):
     """One or more ranks raised.
 
     `.errors` maps rank -> (exception name, message, traceback text); `.failures` rank -> the raw record
@@ -36,7 +46,7 @@ class RankError(RuntimeError):
         super().__init__("\n".join(parts) + "\n\n" + "\n\n".join(blocks))
 
 
-class RankHang(TimeoutError):
+class RankHang(_ShownInNotebook, TimeoutError):
     """A call outlived its timeout. `.ranks`: ranks that did not finish; `.stacks`: rank -> Python stack;
     `.states`: rank -> one line on what it is doing (the collective it waits in, or finished last);
     `.collectives`: rank -> that collective as a dict (op, seq, group_size, sizes, dtypes, done);
@@ -62,7 +72,7 @@ class RankHang(TimeoutError):
         super().__init__("\n".join(parts))
 
 
-class RankDied(RuntimeError):
+class RankDied(_ShownInNotebook, RuntimeError):
     """A rank process exited. `.exits` maps rank -> exit code (negative: killed by that signal; None:
     unknown); `.hosts` rank -> node, for ranks on another machine (lost contact: the launcher does not
     report their exit code)."""

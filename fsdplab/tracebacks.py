@@ -11,7 +11,9 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sys
 import sysconfig
+import types
 
 # Frames that are the lab's plumbing, never the user's code.
 _PLUMBING = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets)[/\\]"
@@ -23,28 +25,33 @@ _LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in
 _SOURCE_PREFIX = "<ranks source"   # filename of execute() source that came from no notebook cell
 
 
-def cell_of(filename: str):
-    """The notebook execution count IPython compiled `filename` for, or None."""
+def _filename_map() -> dict:
+    """IPython's filename -> execution count of every cell it compiled in this kernel ({} outside IPython)."""
     try:
         from IPython import get_ipython
     except ImportError:
-        return None
+        return {}
     shell = get_ipython()
-    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
-    return mapping.get(filename)
+    return getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+
+
+def cell_of(filename: str):
+    """The notebook execution count IPython compiled `filename` for, or None."""
+    return _filename_map().get(filename)
 
 
 def current_cell_filename():
-    """The filename IPython compiled the running cell under (what its frames will carry), or None."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    shell = get_ipython()
-    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
-    count = getattr(shell, "execution_count", None)
-    names = [name for name, number in mapping.items() if number == count]
-    return names[-1] if names else None
+    """The filename IPython compiled the running cell under (what its frames carry), or None.
+
+    Read off the stack (the outermost frame of code compiled from a cell), not from `execution_count`: IPython
+    9 counts that up before the cell runs, IPython 8 after."""
+    mapping = _filename_map()
+    found, frame = None, sys._getframe(1)
+    while frame is not None and mapping:
+        if frame.f_code.co_filename in mapping:
+            found = frame.f_code.co_filename
+        frame = frame.f_back
+    return found
 
 
 def location(filename: str, lineno: int) -> str:
@@ -175,3 +182,32 @@ def failure_text(failure) -> str:
     body = format_frames(failure.frames)
     return (body + "\n" if body else "") + f"{failure.ename}: {failure.evalue}".rstrip()
 
+
+
+def _without_hidden(tb):
+    """Traceback chain `tb` cut after its last frame that is not hidden (`__tracebackhide__`): IPython hides the
+    hidden frames before it itself, but always shows the last frame, here the lab's own that raised."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    shown = [i for i, entry in enumerate(entries) if not entry.tb_frame.f_locals.get("__tracebackhide__")]
+    if not shown:
+        return entries[0] if entries else None
+    chain = None
+    for entry in reversed(entries[:shown[-1] + 1]):
+        chain = types.TracebackType(chain, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return chain
+
+
+def notebook_traceback(exc: BaseException) -> list:
+    """IPython's traceback text for `exc` (a RankError, RankHang, RankDied): the user's own frames in the
+    kernel, then the message, which holds each rank's error or stack."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    tb = _without_hidden(exc.__traceback__)
+    if shell is None or not hasattr(shell, "InteractiveTB"):
+        import traceback
+        return traceback.format_exception(type(exc), exc, tb)
+    return shell.InteractiveTB.structured_traceback(type(exc), exc, tb)

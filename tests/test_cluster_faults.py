@@ -54,25 +54,6 @@ def test_syntax_error_names_the_line(cluster):
     assert "SyntaxError" in str(info.value) and "line" in str(info.value)
 
 
-def test_notebook_cells_are_named_like_ipython(cluster):
-    """A %%ranks cell and a function from a notebook cell are shown as `Cell In[N], line L`."""
-    from IPython.testing.globalipapp import get_ipython
-
-    shell = get_ipython()
-    shell.user_ns.update(cluster=cluster, fsdplab=fsdplab)
-    fsdplab.load_ipython_extension(shell)
-    result = shell.run_cell("%%ranks\nx = 1\nif rank() == 1:\n    raise KeyError('from the cell')\n",
-                            store_history=True)
-    assert isinstance(result.error_in_exec, fsdplab.RankError)
-    cell = shell.execution_count - 1
-    assert f"rank 1: KeyError: 'from the cell'  (Cell In[{cell}], line 4)" in str(result.error_in_exec)
-    shell.run_cell("def f():\n    if fsdplab.rank() == 1:\n        raise KeyError('in f')\n", store_history=True)
-    defined = shell.execution_count - 1
-    result = shell.run_cell("cluster.run(f)", store_history=True)
-    assert f"(Cell In[{defined}], line 3)" in str(result.error_in_exec)
-    assert "raise KeyError('in f')" in str(result.error_in_exec)
-
-
 def test_hang_says_which_collective_each_rank_is_in():
     with fsdplab.Cluster(2, backend="gloo", quiet=True) as c:
         c.execute("dist.all_reduce(torch.ones(3))")
