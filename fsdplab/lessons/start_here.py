@@ -8,6 +8,8 @@ from ..exercises import exercise
 @exercise("00-hang-seq")
 def _hang_seq(answer, *, measured):
     """The sequence number of the collective rank 0 waits in, against the one RankHang reported."""
+    if isinstance(answer, bool):  # int(True) is 1: a yes/no is no sequence number
+        return False, f"expected a whole number (a collective's sequence number), got {answer!r}."
     try:
         value = int(answer)
     except (TypeError, ValueError):
