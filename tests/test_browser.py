@@ -15,6 +15,8 @@ import pytest
 
 from browser import CHROMIUM_ARGS, LabPage, chromium_path, jupyterlab, shutdown_kernels
 
+pytestmark = pytest.mark.browser
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 REQUIRED = os.environ.get("FSDPLAB_REQUIRE_BROWSER") == "1"
 

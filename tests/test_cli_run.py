@@ -193,7 +193,7 @@ WORLD_SIZE_RUNS = [(path, n) for path in LESSONS for n in (1, 2, 4) if n != _def
 
 
 
-@pytest.mark.notebook
+@pytest.mark.matrix
 @pytest.mark.parametrize("path,world_size", WORLD_SIZE_RUNS,
                          ids=[f"{p.stem[:2]}-ws{n}" for p, n in WORLD_SIZE_RUNS])
 def test_lesson_runs_at_any_world_size(path, world_size, tmp_path, monkeypatch, estimate_cache):

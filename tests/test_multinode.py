@@ -68,6 +68,7 @@ def _leftovers(nodes, node) -> list:
     return left
 
 
+@pytest.mark.multinode
 def test_ranks_start_on_both_nodes_in_node_order(record):
     places = record["places"]
     assert [p["rank"] for p in places] == [0, 1]
@@ -77,16 +78,19 @@ def test_ranks_start_on_both_nodes_in_node_order(record):
     assert [(p["local_rank"], p["local_world_size"], p["node_rank"]) for p in places] == [(0, 1, 0), (0, 1, 1)]
 
 
+@pytest.mark.multinode
 def test_all_reduce_and_node_mesh_cross_the_nodes(record):
     assert record["all_reduce"] == [3.0, 3.0]
     assert record["node_mesh"] == [[2, 1], ["node", "local"]] * 2
 
 
+@pytest.mark.multinode
 def test_execute_shows_each_ranks_output(record):
     assert "hello from rank 0 on node-a" in record["execute_output"]
     assert "hello from rank 1 on node-b" in record["execute_output"]
 
 
+@pytest.mark.multinode
 def test_planted_hang_names_the_rank_on_node_b_and_its_stack(record):
     hang = record["hang"]
     assert hang["type"] == "RankHang" and hang["ranks"] == [1]
@@ -94,6 +98,7 @@ def test_planted_hang_names_the_rank_on_node_b_and_its_stack(record):
     assert hang["detected_s"] < HANG_TIMEOUT_S + 5
 
 
+@pytest.mark.multinode
 def test_killed_rank_on_node_b_is_reported_within_seconds(record):
     died = record["died"]
     assert died["type"] == "RankDied" and died["ranks"] == [1] and died["hosts"] == {"1": "node-b"}
@@ -101,31 +106,37 @@ def test_killed_rank_on_node_b_is_reported_within_seconds(record):
     assert died["detected_s"] < 10
 
 
+@pytest.mark.multinode
 def test_interrupt_reaches_the_rank_on_node_b(record):
     assert "the group is still usable" in record["interrupt"]
     assert record["after_interrupt"] == [0, 1]
 
 
+@pytest.mark.multinode
 def test_a_collected_cluster_leaves_no_job(record):
     assert len(record["collected"]["jobs_before"]) == 1
     assert record["collected"]["queue_after"] == []
 
 
+@pytest.mark.multinode
 def test_a_killed_kernel_leaves_no_job(record):
     assert len(record["killed_kernel"]["jobs_before"]) == 1, record["killed_kernel"]["output"]
     assert record["killed_kernel"]["queue_after"] == []
 
 
+@pytest.mark.multinode
 def test_restart_gives_a_fresh_group_on_both_nodes(record):
     assert record["after_restart"] == [[0, "node-a"], [1, "node-b"]]
 
 
+@pytest.mark.multinode
 def test_stop_cancels_the_job_and_leaves_no_process(record):
     assert record["queue_after_stop"] == []
     assert record["queue_after"] == []
     assert record["left"] == {"node-a": [], "node-b": []}
 
 
+@pytest.mark.multinode
 def test_pending_job_ends_in_slurms_reason_and_is_cancelled(record):
     pending = record["pending"]
     assert pending["type"] == "RuntimeError"
@@ -135,6 +146,7 @@ def test_pending_job_ends_in_slurms_reason_and_is_cancelled(record):
     assert "cancelled" in pending["message"] and pending["queue_after"] == []
 
 
+@pytest.mark.multinode
 def test_bad_slurm_input_says_the_fix(record):
     bad = record["bad_input"]
     assert "multiple of 2" in bad["world_size"]

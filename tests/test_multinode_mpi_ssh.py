@@ -136,6 +136,7 @@ def ssh_record(nodes_with_ssh):
     return _record(nodes_with_ssh, "ssh")
 
 
+@pytest.mark.multinode
 @pytest.mark.parametrize("launcher", ["mpi", "ssh"])
 def test_ranks_on_both_nodes_all_reduce_stop_and_nothing_left(launcher, request):
     record = request.getfixturevalue(f"{launcher}_record")
@@ -147,6 +148,7 @@ def test_ranks_on_both_nodes_all_reduce_stop_and_nothing_left(launcher, request)
     assert record["left"] == {"node-a": [], "node-b": []}
 
 
+@pytest.mark.multinode
 @pytest.mark.parametrize("launcher", ["mpi", "ssh"])
 def test_a_killed_kernel_leaves_no_rank(launcher, request):
     killed = request.getfixturevalue(f"{launcher}_record")["killed_kernel"]
