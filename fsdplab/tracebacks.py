@@ -184,14 +184,19 @@ def failure_text(failure) -> str:
 
 
 
+def _plumbing_frame(tb) -> bool:
+    return bool(tb.tb_frame.f_locals.get("__tracebackhide__")) or bool(_PLUMBING.search(tb.tb_frame.f_code.co_filename))
+
+
 def _without_hidden(tb):
-    """Traceback chain `tb` cut after its last frame that is not hidden (`__tracebackhide__`): IPython hides the
-    hidden frames before it itself, but always shows the last frame, here the lab's own that raised."""
+    """Traceback chain `tb` cut after its last frame that is the user's, not plumbing (a frame marked
+    `__tracebackhide__`, IPython's own `run_cell_magic`): IPython hides marked frames before that one itself, but
+    always shows the last frame, here the lab's own that raised."""
     entries = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
-    shown = [i for i, entry in enumerate(entries) if not entry.tb_frame.f_locals.get("__tracebackhide__")]
+    shown = [i for i, entry in enumerate(entries) if not _plumbing_frame(entry)]
     if not shown:
         return entries[0] if entries else None
     chain = None

@@ -1,10 +1,12 @@
 """The package versions a test run used, and constraints.txt, the set the last green CI run tested.
 
     python scripts/constraints.py versions        # one line per package that matters here (CI prints them)
-    python scripts/constraints.py write           # constraints.txt from this environment (after a green run)
+    python scripts/constraints.py write [PATH]    # constraints.txt (or PATH) from this environment
     python scripts/constraints.py diff            # what this environment has that constraints.txt does not
 
-`pip install -c constraints.txt ...` then installs the tested set when a new release breaks something.
+`pip install -c constraints.txt ...` then installs the tested set when a new release breaks something. CI writes
+.ci/venv/constraints.txt right after it installs (before it moves the runtime's stack to its floors): after a
+green run, copy it over constraints.txt when `diff` reported a change.
 """
 
 from __future__ import annotations
@@ -75,11 +77,12 @@ def diff(path: Path = CONSTRAINTS) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["versions", "write", "diff"])
+    parser.add_argument("path", nargs="?", type=Path, default=CONSTRAINTS, help="for write: where to write")
     args = parser.parse_args(argv)
     if args.command == "versions":
         print(versions())
     elif args.command == "write":
-        write()
+        write(args.path)
     else:
         changed = diff()
         print("\n".join(changed) if changed else f"this environment matches {CONSTRAINTS.name}")

@@ -50,6 +50,9 @@ def test_loss_scale_checker_and_verdicts():
     too_big = check("04-loss-scale", high * 4, grads=grads, shrink=1e-4)
     assert not too_big.ok and "Scale down" in too_big.message
     assert not check("04-loss-scale", None, grads=grads, shrink=1e-4).ok
+    # What else a learner types: the safe scale with a minus sign, nan or inf, zero, a yes, text.
+    for wrong in (-low, -high * 4, float("nan"), float("inf"), 0.0, True, "2**10"):
+        assert not check("04-loss-scale", wrong, grads=grads, shrink=1e-4).ok, wrong
     adam = P.adam_state_dtypes()
     assert M.claim9_verdict(adam) == "PARTLY TRUE"
     assert M.claim9_verdict({k: {"state_dtype": "float32"} for k in adam}) == "TRUE"

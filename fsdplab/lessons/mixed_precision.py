@@ -50,6 +50,9 @@ def _loss_scale(answer, *, grads, shrink):
         scale = float(answer)
     except (TypeError, ValueError):
         return False, f"expected a number (a loss scale such as 2.0 ** 10), got {answer!r}."
+    if isinstance(answer, bool) or not math.isfinite(scale) or scale <= 0:
+        return False, (f"a loss scale multiplies the loss by a positive, finite number; {answer!r} is not one "
+                       "(a negative scale flips every gradient's sign, nan or inf make every gradient nan or inf).")
     low, high = safe_loss_scales(grads, shrink)
     flushed = underflow_fraction(grads, "fp16", scale, shrink)
     biggest = float(grads.abs().max() * shrink * scale)
