@@ -475,8 +475,7 @@ class Cluster(Waiting):
         with self._lock:
             selected = self._ranks(ranks)
             origins = shipped_code.origins(values)
-            results = {r: self._client[self._engine_ids[r]].apply_async(dist.push, values, origins)
-                       for r in selected}
+            results = {r: self._client[self._engine_ids[r]].apply_async(dist.push, values, origins) for r in selected}
             self._wait(results, timeout, quiet=True)
 
     def status(self, quiet: bool = False) -> list:
