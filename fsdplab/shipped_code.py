@@ -25,15 +25,9 @@ def _by_value(obj) -> bool:
         return True
     try:
         import cloudpickle
-        return module in {m.__name__ for m in map(_module, cloudpickle.list_registry_pickle_by_value()) if m}
+        return module in cloudpickle.list_registry_pickle_by_value()   # module names
     except (ImportError, AttributeError):
         return False
-
-
-def _module(name):
-    import sys
-
-    return sys.modules.get(name) if isinstance(name, str) else name
 
 
 def _key(code: types.CodeType) -> tuple:
