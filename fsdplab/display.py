@@ -141,9 +141,9 @@ class Dashboard:
     an Output widget captures messages from whichever cell runs next, which papermill's client mimics
     imperfectly (executions were seen to stall); an Image is plain widget state.
 
-    Displaying a dashboard leaves two outputs: the widget, and a static PNG of the figure as it is at that
-    moment. Where widgets do not render (GitHub, nbviewer, a PDF, an executed notebook opened without its
-    kernel) the widget is only text, and the PNG still shows what the dashboard drew.
+    Displaying a dashboard leaves one output with two forms: the widget, and a static PNG of the figure as it
+    is at that moment. A front end shows the widget where it can and the PNG where widgets do not render
+    (GitHub, nbviewer, a PDF, an executed notebook opened without its kernel), never both.
     """
 
     def __init__(self, controls: dict, draw, title: str = "", figsize=(8, 4), dpi: int = 90):
@@ -226,12 +226,13 @@ class Dashboard:
 
         from IPython.display import display
 
+        # One output holding both: JupyterLab (and any front end with the widget manager) draws the live widget;
+        # where widgets do not render (GitHub, nbviewer, a PDF, an executed notebook opened without its kernel)
+        # the same output shows the PNG. Two outputs used to show the live chart and a stale copy side by side.
         bundle = self.widget._repr_mimebundle_()
-        # What a viewer without widgets prints instead of the widget (it used to be "VBox(children=...").
+        bundle["image/png"] = base64.b64encode(self.snapshot()).decode("ascii")
         bundle["text/plain"] = f"[interactive dashboard: {self.title or 'controls'}; needs a running kernel]"
         display(bundle, raw=True)
-        display({"image/png": base64.b64encode(self.snapshot()).decode("ascii"),
-                 "text/plain": f"[static copy of the dashboard: {self.title or 'figure'}]"}, raw=True)
 
 
 def _shown(control) -> str:

@@ -13,7 +13,6 @@ a number typed into the checker.
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from dataclasses import dataclass
 
 _CHECKERS: dict = {}
@@ -57,12 +56,14 @@ def exercise(key: str):
     return register
 
 
-def _load_lessons() -> None:
-    """Import every module of fsdplab.lessons: their @exercise decorators fill the registry."""
+def _load_lessons(key: str | None = None) -> None:
+    """Import the lesson module that registers exercise `key` ("02-bytes": lesson 02's module), or every lesson
+    module when `key` is None; their @exercise decorators fill the registry."""
     from . import lessons
 
-    for info in pkgutil.iter_modules(lessons.__path__):
-        importlib.import_module(f"{lessons.__name__}.{info.name}")
+    numbers = [key[:2]] if key and key[:2] in lessons.MODULES else list(lessons.MODULES)
+    for number in numbers:
+        importlib.import_module(f"{lessons.__name__}.{lessons.MODULES[number]}")
 
 
 def keys() -> list:
@@ -73,8 +74,9 @@ def keys() -> list:
 
 def check(key: str, answer, /, **measured) -> Verdict:
     """Check `answer` to exercise `key`; prints the verdict (so a bare call in a cell shows it) and returns it."""
-    _load_lessons()
+    _load_lessons(key)
     if key not in _CHECKERS:
+        _load_lessons()         # a key with a typo in its number: name every exercise in the error
         import difflib
 
         close_keys = difflib.get_close_matches(key, _CHECKERS, n=3)

@@ -28,7 +28,7 @@ CHECKPOINTING = ("none", "torch", "posts", "posts, non-reentrant")
 def estimate_settings() -> list:
     """The posts' Qwen-7B LoRA setting without and with activation checkpointing (the lesson's exact
     full-scale estimates)."""
-    from .qwen7b_lora import POSTS_SETTING
+    from .posts import POSTS_SETTING
 
     return [POSTS_SETTING.replace(activation_checkpointing=False), POSTS_SETTING]
 

@@ -6,9 +6,8 @@ sequence length and precision, with and without activation checkpointing, agains
 from __future__ import annotations
 
 from ..settings import GIB
-from .qwen7b_lora import POSTS_SETTING
+from .posts import A10_GIB, POSTS_SETTING
 
-A10_GIB = 24.0   # an A10 has 24 GiB (24,576 MiB as nvidia-smi shows it)
 
 
 def full_finetune_settings() -> list:

@@ -9,13 +9,8 @@ import math
 
 from ..exercises import close, exercise
 from ..settings import GIB, TrainSetting, check_choice, PRECISIONS
+from .posts import POSTS_BAND_GIB, POSTS_SETTING
 
-# The posts' setup: Qwen-7B, LoRA r=64 on every linear layer, FULL_SHARD, fp16, activation checkpointing.
-# Sequence length and micro-batch are not stated in the posts; 2048 x 1 is the common default.
-POSTS_SETTING = TrainSetting(model="qwen-7b", world_size=8, strategy="full_shard", precision="fp16", lora_rank=64,
-                             lora_alpha=128, lora_targets="all-linear", seq_len=2048, batch_size=1,
-                             activation_checkpointing=True)
-POSTS_BAND_GIB = (17.0, 19.0)   # "17-19 GB per card", read as nvidia-smi's GiB
 
 
 def settings_ahead() -> list:
