@@ -1,4 +1,5 @@
-"""Command line: `fsdplab run` executes the lessons with papermill; `fsdplab estimate` sizes a run."""
+"""Command line: `fsdplab lab` opens the learner's copy of the lessons in JupyterLab; `fsdplab run` executes the
+lessons with papermill; `fsdplab estimate` sizes a run."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import time
 from pathlib import Path
 
 from . import estimates_ahead, forkserver
+from . import lab as lab_module
 from .settings import LORA_TARGETS
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parent / "notebooks"    # shipped with the package
 
 
 def lesson_paths(names=()) -> list:
@@ -288,6 +290,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fsdplab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    lab = sub.add_parser("lab", help="copy the lessons into a working folder (never over your edits) and open "
+                                     "JupyterLab there")
+    lab.add_argument("folder", nargs="?", default=lab_module.DEFAULT_DIR,
+                     help=f"working folder for your copy of the lessons (default: ./{lab_module.DEFAULT_DIR})")
+    lab.add_argument("--copy-only", action="store_true", help="copy the lessons, do not start JupyterLab")
+    lab.add_argument("--no-browser", action="store_true", help="start JupyterLab without opening a browser")
+    lab.add_argument("--port", type=int, default=None, help="JupyterLab's port (default: JupyterLab's own, 8888)")
+
     run = sub.add_parser("run", help="execute lesson notebooks with papermill and print a summary")
     run.add_argument("notebooks", nargs="*", help="lesson numbers or names (e.g. 02), or notebook paths (default: all)")
     run.add_argument("--world-size", type=int, default=None, help="ranks for lessons that take world_size")
@@ -334,6 +344,8 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        if args.command == "lab":
+            return lab_module.lab_command(args)
         if args.command == "run":
             return run_command(args)
         return estimate_command(args)
