@@ -13,6 +13,7 @@ a number typed into the checker.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 
 _CHECKERS: dict = {}
@@ -93,10 +94,14 @@ def check(key: str, answer, /, **measured) -> Verdict:
 
 def close(answer, expected, *, rel: float = 0.05, hint: str = "", unit: str = "") -> tuple:
     """(ok, message) for a numeric answer within `rel` (relative) of `expected`."""
+    if isinstance(answer, (bool, str)):      # float(True) is 1.0 and float("2") is 2.0: neither is an answer
+        return False, f"expected a number, got {answer!r}."
     try:
         value = float(answer)
     except (TypeError, ValueError):
         return False, f"expected a number, got {answer!r}."
+    if not math.isfinite(value):
+        return False, f"expected a finite number, got {value!r}."
     expected = float(expected)
     off = abs(value - expected) / max(abs(expected), 1e-300)
     if off <= rel:

@@ -62,6 +62,9 @@ def test_checker_takes_the_measured_answer_and_hints_at_a_wrong_one(reshard_1_to
     assert right.ok and "within 10%" in right.message
     wrong = check("05-reshard-reads", 1.0, measured=measured, saved_ranks=1, loading_ranks=2)
     assert not wrong.ok and "too low" in wrong.message and "Hint" in wrong.message and "1 saving rank" in wrong.message
+    # what a learner might type instead: the kept share, a world size, a bool, text, a sign slip, no number at all
+    for answer in (0.5, 3, True, "2", -2, float("nan"), float("inf"), [2]):
+        assert not check("05-reshard-reads", answer, measured=measured, saved_ranks=1, loading_ranks=2).ok, answer
     empty = check("05-reshard-reads", None, measured=measured, saved_ranks=1, loading_ranks=2)
     assert not empty.ok and "no answer yet" in empty.message
     assert "not yet" in capsys.readouterr().out                 # check() prints its verdict for the notebook
