@@ -297,6 +297,7 @@ def main(argv=None) -> int:
     lab.add_argument("--copy-only", action="store_true", help="copy the lessons, do not start JupyterLab")
     lab.add_argument("--no-browser", action="store_true", help="start JupyterLab without opening a browser")
     lab.add_argument("--port", type=int, default=None, help="JupyterLab's port (default: JupyterLab's own, 8888)")
+    lab.add_argument("--allow-root", action="store_true", help="let JupyterLab run as root (in a container, say)")
 
     run = sub.add_parser("run", help="execute lesson notebooks with papermill and print a summary")
     run.add_argument("notebooks", nargs="*", help="lesson numbers or names (e.g. 02), or notebook paths (default: all)")

@@ -55,6 +55,8 @@ def lab_command(args) -> int:
     command = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={folder}"]
     if args.no_browser:
         command.append("--no-browser")
+    if getattr(args, "allow_root", False):
+        command.append("--allow-root")
     if args.port is not None:
         command.append(f"--port={args.port}")
     print("starting JupyterLab: " + " ".join(command[1:]))

@@ -6,13 +6,23 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 
 from fsdplab import cli, lab
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli_args(argv):
+    """What `fsdplab ARGV` hands its command, parsed by the real parser (its command is replaced by a recorder)."""
+    seen = {}
+    original = lab.lab_command
+    lab.lab_command = lambda args: seen.setdefault("args", args) and 0
+    try:
+        cli.main(argv)
+    finally:
+        lab.lab_command = original
+    return seen["args"]
 
 
 def test_copy_keeps_the_learners_edits_and_adds_new_lessons(tmp_path):
@@ -42,12 +52,12 @@ def test_lab_starts_jupyterlab_in_the_working_folder(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(lab.subprocess, "call", call)
-    args = SimpleNamespace(folder=str(tmp_path / "w"), copy_only=False, no_browser=True, port=8899)
+    args = cli_args(["lab", str(tmp_path / "w"), "--no-browser", "--port", "8899", "--allow-root"])
     assert lab.lab_command(args) == 0
     folder = (tmp_path / "w").resolve()
     assert started["cwd"] == folder and started["command"][1:3] == ["-m", "jupyterlab"]
     assert f"--ServerApp.root_dir={folder}" in started["command"] and "--no-browser" in started["command"]
-    assert "--port=8899" in started["command"]
+    assert "--port=8899" in started["command"] and "--allow-root" in started["command"]
 
 
 def test_a_built_wheel_carries_the_lessons_and_runs_them_from_outside_the_repository(tmp_path):
