@@ -160,7 +160,7 @@ def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -
         return report
     if estimate_cache.estimate_under_way(setting):
         say("another process of this run is estimating this setting already: waiting for its report")
-        report = estimate_cache.wait_for_estimate(setting)
+        report = estimate_cache.wait_for_estimate(setting, say=say)
         if report is not None:
             return report
     report = _compute_estimate(setting, say)

@@ -1,9 +1,12 @@
 """fsdplab.estimates_ahead: later lessons' full-scale estimates made ahead during a run of several lessons."""
 
 import json
+import os
+import time
 from pathlib import Path
 
 import nbformat
+import pytest
 
 from fsdplab import cli, estimate_cache, estimates_ahead, lessons, memory, sweep
 from fsdplab.lessons.activation_checkpointing import estimate_settings
@@ -91,7 +94,7 @@ def test_a_lesson_waits_for_an_estimate_made_ahead_instead_of_making_it_again(tm
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])   # stands for estimates ahead
     try:
         estimate_cache.pending_path(tiny).parent.mkdir(parents=True)
-        estimate_cache.pending_path(tiny).write_text(str(other.pid))
+        estimate_cache.pending_path(tiny).write_text(json.dumps(estimate_cache._maker_identity(other.pid)))
         assert estimate_cache.estimate_under_way(tiny)
         pending = sweep.start_estimates([tiny, tiny])
         assert pending._pool is None, "a worker started for a setting another process is estimating"
@@ -117,4 +120,54 @@ def test_estimates_ahead_marks_the_setting_it_is_making(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "estimate", lambda s, **kw: seen.append(estimate_cache.pending_path(s).read_text())
                         or real(s, **kw))
     estimates_ahead.estimate_missing([tiny])
-    assert seen == [str(__import__("os").getpid())] and not estimate_cache.pending_path(tiny).exists()
+    assert [json.loads(m)["pid"] for m in seen] == [os.getpid()] and not estimate_cache.pending_path(tiny).exists()
+
+
+def test_a_marker_whose_maker_is_gone_or_reused_is_stale_and_removed(tmp_path, monkeypatch):
+    """An interrupted run leaves its markers; later the pid is someone else's (here: this very test's parent)."""
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
+    marker = estimate_cache.pending_path(tiny)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    reused = estimate_cache._maker_identity(os.getppid())
+    for stale in ({**reused, "started": reused["started"] - 5},       # the pid lives, but it is another process
+                  {**reused, "host": "another-host"},                  # a cache shared across machines
+                  "12345",                                             # the old format: a bare pid
+                  "{torn"):
+        marker.write_text(stale if isinstance(stale, str) else json.dumps(stale))
+        assert not estimate_cache.estimate_under_way(tiny), stale
+        assert not marker.exists(), f"stale marker {stale} left in place"
+    marker.write_text(json.dumps(reused))                              # the real maker, alive: wait for it
+    assert estimate_cache.estimate_under_way(tiny)
+
+
+def test_a_wait_for_another_process_has_an_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
+    marker = estimate_cache.pending_path(tiny)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(estimate_cache._maker_identity(os.getppid())))   # alive, and never finishing
+    t0 = time.monotonic()
+    assert estimate_cache.wait_for_estimate(tiny, timeout=1.0) is None
+    assert 1.0 <= time.monotonic() - t0 < 5
+    assert f"process {os.getppid()}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["", "{", "[1, 2]", '{"peak_bytes": "x"}'])
+def test_a_bad_cache_entry_is_a_miss_that_names_the_file(tmp_path, monkeypatch, capsys, damage):
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
+    entry = estimate_cache.cache_path(tiny)
+    entry.write_text(damage)
+    assert estimate_cache.cached_estimate(tiny) is None
+    assert str(entry) in capsys.readouterr().err and not entry.exists()
+    report = memory.estimate(tiny, progress=False, subprocess_mode=False)   # estimated again, and kept
+    assert estimate_cache.cached_estimate(tiny).peak_bytes == report.peak_bytes
+
+
+def test_an_unwritable_cache_is_no_cache(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path / "file" / "cache"))   # a file where a folder must be
+    tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
+    report = memory.estimate(tiny, progress=False, subprocess_mode=False)
+    assert report.peak_bytes > 0 and "it is not cached" in capsys.readouterr().err
