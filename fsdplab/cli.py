@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import math
 import os
 import shutil
 import sys
@@ -45,6 +46,53 @@ def _value(text: str):
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def parse_parameters(paths, pairs) -> dict:
+    """`-p NAME VALUE` pairs as Python values. A value that is not a Python literal passes as text, unless a
+    selected lesson declares NAME with a default that is not text: then it is a typo, refused with the fix."""
+    params = {}
+    for name, text in pairs:
+        value = _value(text)
+        if isinstance(value, str):
+            for path in paths:
+                default = pm_defaults(path).get(name)
+                if default is not None and not isinstance(default, str):
+                    raise ValueError(f"-p {name} {text!r}: {path.stem} declares {name} = {default!r}, a "
+                                     f"{type(default).__name__}, and {text!r} is not a Python literal of one "
+                                     f"(e.g. -p {name} {default!r}).")
+        params[name] = value
+    return params
+
+
+def pm_defaults(path) -> dict:
+    """The defaults of a lesson's parameters as Python values (None where one is not a literal)."""
+    import papermill as pm
+
+    defaults = {}
+    for name, info in pm.inspect_notebook(str(path)).items():
+        try:
+            defaults[name] = ast.literal_eval(info["default"])
+        except (ValueError, SyntaxError):
+            defaults[name] = None
+    return defaults
+
+
+def check_folder(flag: str, folder: Path, paths=()) -> Path:
+    """Make `folder` (an output folder) or refuse it before anything runs: one line with the fix."""
+    folder = Path(folder).expanduser().resolve()
+    for path in paths:
+        if Path(path).resolve().parent == folder:
+            raise ValueError(f"{flag} {folder} is where the lesson {Path(path).name} lives: the executed copy would "
+                             f"replace it. Choose another folder (the default is runs).")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fsdplab-write-test-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {folder}: cannot write there ({err.strerror or err}); choose a folder you can "
+                         f"write to.") from None
+    return folder
 
 
 def declared_parameters(path) -> list:
@@ -161,12 +209,15 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress) -> t
         params["world_size"] = world_size
     print(f"{counter} {path.stem} {params or ''}", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"fsdplab-run-{path.stem[:2]}-"))
+    # Papermill rewrites its output after every cell: a full disk would leave a truncated notebook in place of
+    # the last run's. It writes beside it, and the whole notebook replaces the old one at the end.
+    running = out / f".{path.stem}.running.ipynb"
     t0 = time.perf_counter()
     status, detail = "ok", ""
     try:
         with _environment(FSDPLAB_OUT=str(out), FSDPLAB_FIGURES=str(figures),
                           TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch)):
-            pm.execute_notebook(str(path), str(out / path.name), parameters=params, cwd=str(out),
+            pm.execute_notebook(str(path), str(running), parameters=params, cwd=str(out),
                                 progress_bar=progress, kernel_name="python3",
                                 # The kernel's own log goes to this terminal and holds only
                                 # housekeeping (the TCP warning, the interrupt at shutdown); the
@@ -182,7 +233,24 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress) -> t
         status, detail = "FAILED", f"{type(e).__name__}: {e}"
     finally:
         _remove_scratch(scratch)
+        if not _put_in_place(running, out / path.name):
+            status = "FAILED"
+            detail = (detail + "; " if detail else "") + (f"the executed notebook could not be written in full "
+                                                          f"(disk full?): {out / path.name} is the previous run's")
     return path.stem, status, time.perf_counter() - t0, detail
+
+
+def _put_in_place(running: Path, final: Path) -> bool:
+    """Move papermill's output to its name if it is a whole notebook; False (and removed) when it is not."""
+    import json
+
+    try:
+        json.loads(running.read_text())
+        os.replace(running, final)
+        return True
+    except (OSError, ValueError):
+        running.unlink(missing_ok=True)
+        return False
 
 
 def print_table(rows) -> None:
@@ -197,9 +265,10 @@ def run_command(args) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise ValueError(f"--world-size is a number of ranks (1 or more), got {args.world_size}.")
     paths = lesson_paths(args.notebooks)
-    params = {name: _value(value) for name, value in args.parameter}
+    params = parse_parameters(paths, args.parameter)
     warn_undeclared(paths, {**params, **({} if args.world_size is None else {"world_size": args.world_size})})
-    out = Path(args.out).resolve()
+    out = check_folder("--out", args.out, paths)
+    check_folder("--figures", figures_folder(args.figures, out), paths)
     rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress, figures=args.figures)
     print_table(rows)
     failed = [r for r in rows if r[1] != "ok"]
@@ -256,6 +325,13 @@ def estimate_command(args) -> int:
         raise ValueError("--lora-targets chooses where LoRA adapters go: add --lora-rank (e.g. --lora-rank 16).")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}.")
+    if args.plot:
+        check_folder("--plot", Path(args.plot).expanduser().resolve().parent)   # before the sweep, not after
+    if not math.isfinite(args.gpu_mem_gib) or args.gpu_mem_gib <= 0:
+        raise ValueError(f"--gpu-mem-gib is a GPU's memory in GiB, a positive number (e.g. 24), got {args.gpu_mem_gib}.")
+    if args.shard_group_size is not None and args.shard_group_size < 1:
+        raise ValueError(f"--shard-group-size is a number of GPUs (1 or more; usually a node's 8), got "
+                         f"{args.shard_group_size}.")
     setting = TrainSetting(model=resolve_model(args.model), world_size=world_sizes[0], lora_rank=args.lora_rank,
                            lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
                            batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,

@@ -114,6 +114,35 @@ def test_unknown_lesson_lists_the_lessons(capsys):
     assert "'99'" in err and all(stem in err for stem in IDS), err
 
 
+def test_output_folders_and_parameters_are_checked_before_anything_runs(tmp_path, capsys):
+    nb = tiny_notebook(tmp_path / "tiny.ipynb", "print(steps)")
+    (tmp_path / "a_file").write_text("")
+    cases = {("--out", str(tmp_path)): "is where the lesson tiny.ipynb lives",       # would overwrite the source
+             ("--out", str(tmp_path / "a_file" / "x")): "cannot write there",
+             ("--figures", str(tmp_path / "a_file")): "cannot write there",
+             ("-p", "steps", "3O"): "is not a Python literal of one (e.g. -p steps"}   # a letter O for a zero
+    for flags, message in cases.items():
+        argv = ["run", str(nb), "--no-progress", *flags]
+        if "--out" not in flags:
+            argv += ["--out", str(tmp_path / "out")]
+        assert main(argv) == 2, flags
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and "Executing" not in captured.out, (flags, captured)
+    assert not (tmp_path / "out" / "tiny.ipynb").exists()
+
+
+def test_a_torn_executed_notebook_never_replaces_the_last_whole_one(tmp_path):
+    from fsdplab.cli import _put_in_place
+
+    final, running = tmp_path / "05.ipynb", tmp_path / ".05.running.ipynb"
+    final.write_text('{"cells": []}')
+    running.write_text('{"cells": [{"cell_ty')                  # what a full disk leaves
+    assert not _put_in_place(running, final) and final.read_text() == '{"cells": []}' and not running.exists()
+    running.write_text('{"cells": [1]}')
+    assert _put_in_place(running, final) and final.read_text() == '{"cells": [1]}'
+
+
 def test_run_takes_parameters_warns_and_says_where(tmp_path, capsys, monkeypatch):
     """A successful run: declared parameters injected, an undeclared one named on stderr, the output folder
     printed; the kernel runs in it with FSDPLAB_OUT and FSDPLAB_FIGURES set and a temporary folder of its own."""

@@ -114,6 +114,12 @@ BAD = {
                           "--shard-group-size sets hybrid_shard's shard group: add --strategy hybrid_shard."),
     "contradiction": (["--model", "tiny", "--strategy", "ddp", "--no-reshard-after-forward"],
                       "--no-reshard-after-forward is --strategy shard_grad_op; it contradicts --strategy ddp"),
+    "gpu memory nan": (["--model", "tiny", "--gpu-mem-gib", "nan"], "--gpu-mem-gib is a GPU's memory in GiB"),
+    "gpu memory negative": (["--model", "tiny", "--gpu-mem-gib", "-1"], "a positive number (e.g. 24), got -1.0"),
+    "shard group 0": (["--model", "tiny", "--strategy", "hybrid_shard", "--shard-group-size", "0"],
+                      "--shard-group-size is a number of GPUs (1 or more"),
+    "plot folder": (["--model", "tiny", "--seq-len", "32,64", "--plot", "{root}/broken.json/heat.png"],
+                    "--plot "),
 }
 
 
