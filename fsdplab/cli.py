@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import math
-import os
-import shutil
+import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from . import estimates_ahead, forkserver
 from . import lab as lab_module
+from .runner import INTERRUPTED, declared_parameters, figures_folder, print_table, run_lessons  # noqa: F401
 from .settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent / "notebooks"    # shipped with the package
@@ -95,13 +92,6 @@ def check_folder(flag: str, folder: Path, paths=()) -> Path:
     return folder
 
 
-def declared_parameters(path) -> list:
-    """The names a lesson's cell tagged `parameters` declares, as papermill reads them."""
-    import papermill as pm
-
-    return list(pm.inspect_notebook(str(path)))
-
-
 def warn_undeclared(paths, parameters) -> list:
     """Warn (one line on stderr) about each parameter that no selected lesson declares; returns those names."""
     declared = set()
@@ -114,150 +104,15 @@ def warn_undeclared(paths, parameters) -> list:
     return unknown
 
 
-@contextlib.contextmanager
-def _environment(**values):
-    """Set environment variables (inherited by the kernel and its ranks) for the duration of a block."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+def _interrupt(signum, frame):
+    """SIGTERM (`timeout`, a CI cancelling) ends a run as Ctrl-C does: summary, cleanup, no stray processes."""
+    raise KeyboardInterrupt
 
 
-def _remove_scratch(folder: Path) -> None:
-    """Remove a lesson's temporary folder once the processes that write into it are gone.
+def _main_thread() -> bool:
+    import threading
 
-    A kernel stopped after a failed cell leaves its cluster's scratch folder behind (rank logs, pid file);
-    the cluster's watcher kills the ranks within a second of the kernel's exit, so wait for them first."""
-    import psutil
-
-    pids = []
-    for pidfile in folder.glob("*/pids"):
-        try:
-            pids += [int(pid) for pid in pidfile.read_text().split()]
-        except (OSError, ValueError):
-            pass
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-    for _ in range(5):   # a process that just exited may still be closing a log file
-        shutil.rmtree(folder, ignore_errors=True)
-        if not folder.exists():
-            return
-        time.sleep(0.5)
-
-
-def figures_folder(figures, out) -> Path:
-    """Where the lessons save figures: `figures` if given, else $FSDPLAB_FIGURES, else `out`/figures."""
-    return Path(figures or os.environ.get("FSDPLAB_FIGURES") or Path(out) / "figures").resolve()
-
-
-def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progress=True, figures=None) -> list:
-    """Execute each notebook with papermill into `out_dir`; returns rows of (lesson, status, seconds, detail).
-
-    The kernel runs in `out_dir` with FSDPLAB_OUT=`out_dir` (where a lesson writes the files it keeps) and
-    FSDPLAB_FIGURES=`figures` (default: the user's FSDPLAB_FIGURES, else `out_dir`/figures); its temporary
-    files go to a folder of its own that is removed when the lesson ends, failed or not. The lessons share
-    one FSDPLAB_ESTIMATE_CACHE (the user's, else a temporary one removed at the end), and their ranks are
-    forks of one fork server (fsdplab.forkserver) that lives as long as the run, as are their kernels."""
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    figures = figures_folder(figures, out)
-    # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
-    own_cache = None if os.environ.get("FSDPLAB_ESTIMATE_CACHE") else tempfile.mkdtemp(prefix="fsdplab-estimates-")
-    ahead = server = server_dir = None
-    try:
-        with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
-            # The lessons' ranks are forks of one process that imported torch once (fsdplab.forkserver).
-            if forkserver.available():
-                server_dir = tempfile.mkdtemp(prefix="fsdplab-forkserver-")
-                server = forkserver.start(server_dir)
-            if len(paths) > 1 and not parameters:
-                # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.estimates_ahead)
-                ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
-            # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
-            kernels = [forkserver.kernel_spec(server_dir)] if server is not None else []
-            jupyter_path = os.pathsep.join(kernels + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
-            with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
-                return [_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress)
-                        for i, path in enumerate(paths, 1)]
-    finally:
-        estimates_ahead.stop(ahead)
-        forkserver.stop(server)
-        if server_dir:
-            shutil.rmtree(server_dir, ignore_errors=True)
-        if own_cache:
-            shutil.rmtree(own_cache, ignore_errors=True)
-
-
-def _run_one(path, counter, out, figures, world_size, parameters, progress) -> tuple:
-    """One lesson through papermill: (lesson, status, seconds, detail)."""
-    import papermill as pm
-
-    declared = declared_parameters(path)
-    params = {k: v for k, v in (parameters or {}).items() if k in declared}
-    if world_size is not None and "world_size" in declared:
-        params["world_size"] = world_size
-    print(f"{counter} {path.stem} {params or ''}", flush=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"fsdplab-run-{path.stem[:2]}-"))
-    # Papermill rewrites its output after every cell: a full disk would leave a truncated notebook in place of
-    # the last run's. It writes beside it, and the whole notebook replaces the old one at the end.
-    running = out / f".{path.stem}.running.ipynb"
-    t0 = time.perf_counter()
-    status, detail = "ok", ""
-    try:
-        with _environment(FSDPLAB_OUT=str(out), FSDPLAB_FIGURES=str(figures),
-                          TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch)):
-            pm.execute_notebook(str(path), str(running), parameters=params, cwd=str(out),
-                                progress_bar=progress, kernel_name="python3",
-                                # The kernel's own log goes to this terminal and holds only
-                                # housekeeping (the TCP warning, the interrupt at shutdown); the
-                                # cells' errors are in the executed notebook and the summary.
-                                extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
-                                # The last cell has run: end the kernel at once rather than wait ~1 s
-                                # for its exit handlers; its watcher (fsdplab._reaper) ends any ranks.
-                                shutdown_kernel="immediate")
-    except pm.PapermillExecutionError as e:
-        status = "FAILED"
-        detail = f"cell {e.exec_count} ({e.ename}: {str(e.evalue).splitlines()[0] if e.evalue else ''})"
-    except Exception as e:  # a kernel that died, a missing kernel spec, ...
-        status, detail = "FAILED", f"{type(e).__name__}: {e}"
-    finally:
-        _remove_scratch(scratch)
-        if not _put_in_place(running, out / path.name):
-            status = "FAILED"
-            detail = (detail + "; " if detail else "") + (f"the executed notebook could not be written in full "
-                                                          f"(disk full?): {out / path.name} is the previous run's")
-    return path.stem, status, time.perf_counter() - t0, detail
-
-
-def _put_in_place(running: Path, final: Path) -> bool:
-    """Move papermill's output to its name if it is a whole notebook; False (and removed) when it is not."""
-    import json
-
-    try:
-        json.loads(running.read_text())
-        os.replace(running, final)
-        return True
-    except (OSError, ValueError):
-        running.unlink(missing_ok=True)
-        return False
-
-
-def print_table(rows) -> None:
-    width = max([len("lesson")] + [len(r[0]) for r in rows])
-    print(f"\n{'lesson':<{width}}  status  seconds  detail")
-    for lesson, status, seconds, detail in rows:
-        print(f"{lesson:<{width}}  {status:<6}  {seconds:7.1f}  {detail}")
+    return threading.current_thread() is threading.main_thread()
 
 
 def run_command(args) -> int:
@@ -269,9 +124,21 @@ def run_command(args) -> int:
     warn_undeclared(paths, {**params, **({} if args.world_size is None else {"world_size": args.world_size})})
     out = check_folder("--out", args.out, paths)
     check_folder("--figures", figures_folder(args.figures, out), paths)
-    rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress, figures=args.figures)
+    previous = signal.signal(signal.SIGTERM, _interrupt) if _main_thread() else None
+    try:
+        rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress, figures=args.figures)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print_table(rows)
     failed = [r for r in rows if r[1] != "ok"]
+    if any(r[1] == INTERRUPTED for r in rows):
+        import logging
+
+        # the kernel's pending reply, cut off by the interrupt, would end the run with asyncio's traceback
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        print(f"\ninterrupted; the executed notebooks so far are in {out}")
+        return 130
     if failed:
         print(f"\n{len(failed)} lesson(s) failed; the executed notebooks in {out} show where.")
     else:

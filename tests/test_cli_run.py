@@ -4,6 +4,7 @@ and every lesson runs at any world size."""
 import ast
 import json
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -133,7 +134,7 @@ def test_output_folders_and_parameters_are_checked_before_anything_runs(tmp_path
 
 
 def test_a_torn_executed_notebook_never_replaces_the_last_whole_one(tmp_path):
-    from fsdplab.cli import _put_in_place
+    from fsdplab.runner import _put_in_place
 
     final, running = tmp_path / "05.ipynb", tmp_path / ".05.running.ipynb"
     final.write_text('{"cells": []}')
@@ -141,6 +142,51 @@ def test_a_torn_executed_notebook_never_replaces_the_last_whole_one(tmp_path):
     assert not _put_in_place(running, final) and final.read_text() == '{"cells": []}' and not running.exists()
     running.write_text('{"cells": [1]}')
     assert _put_in_place(running, final) and final.read_text() == '{"cells": [1]}'
+
+
+def test_sigterm_ends_a_run_like_ctrl_c_with_a_summary_and_nothing_left(tmp_path):
+    """`timeout` and CI cancellations send SIGTERM: the run prints its summary, marks what never ran, and
+    leaves no scratch folder, no estimate cache and no process behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    first = tiny_notebook(tmp_path / "a.ipynb", "print('STA' + 'RTED', flush=True)", "import time; time.sleep(120)",
+                          "print('never')")
+    second = tiny_notebook(tmp_path / "b.ipynb", "print('b')")
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "FSDPLAB_TEST_MARK": str(tmp_path)}
+    env.pop("FSDPLAB_ESTIMATE_CACHE", None)
+    (tmp_path / "tmp").mkdir()
+    runner = subprocess.Popen([sys.executable, "-m", "fsdplab", "run", str(first), str(second), "--out",
+                               str(tmp_path / "out"), "--no-progress"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    running = tmp_path / "out" / ".a.running.ipynb"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "STARTED" not in (running.read_text() if running.exists() else ""):
+        time.sleep(0.2)
+    runner.send_signal(signal.SIGTERM)
+    out, _ = runner.communicate(timeout=60)
+    assert runner.returncode == 130, out
+    assert re.search(r"^a +interrupted ", out, re.M) and re.search(r"^b +not run ", out, re.M), out
+    assert "Traceback" not in out, out
+    executed = json.loads((tmp_path / "out" / "a.ipynb").read_text())
+    states = [c["metadata"]["papermill"]["status"] for c in executed["cells"]]
+    assert states[-2:] == ["interrupted", "pending"] and executed["metadata"]["papermill"]["interrupted"]
+    assert not (tmp_path / "out" / "b.ipynb").exists() and not running.exists()
+    time.sleep(1)
+    assert list((tmp_path / "tmp").iterdir()) == [], "temporary folders outlived the run"
+    left = [p for p in psutil.process_iter(["pid"]) if _environ_has(p, "FSDPLAB_TEST_MARK", str(tmp_path))]
+    assert left == [], f"processes outlived the run: {[p.cmdline() for p in left]}"
+
+
+def _environ_has(process, name, value) -> bool:
+    try:
+        return process.environ().get(name) == value
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return False
 
 
 def test_run_takes_parameters_warns_and_says_where(tmp_path, capsys, monkeypatch):
