@@ -12,6 +12,8 @@ Every function that gathers or scatters parameters is a collective: call it on E
   until the new one is in place). The next save clears what a failed or crashed one left behind; a full
   disk is reported as one line (`CheckpointDiskFull`). Loading works at any world size (DCP reshards).
   The file-system side (atomic writes, fsync, clearing debris, the full-disk line) is `fsdplab.safe_files`.
+  Every save records its files' SHA-256 (`fsdplab.checksums`); a load refuses a damaged checkpoint in one line
+  on every rank (`fallback=True` takes the newest undamaged step instead).
 - `full_state` / `state_fingerprint` / `equal_state`: bit-exact comparisons (torch.equal, every tensor).
 - `export_pretrained`: a `save_pretrained` folder (config.json + model.safetensors) plain transformers loads.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import checksums
 from . import safe_files as files
 from .dist import this_rank, this_world_size
 from .safe_files import CheckpointDiskFull  # raised below; callers catch it as checkpoint.CheckpointDiskFull
@@ -94,7 +97,7 @@ def save_full(model: nn.Module, path) -> Path | None:
     path = Path(path)
     state = full_model_state(model)
     # Every rank waits until the file is complete (nobody reads it, or exits, too early).
-    return _on_rank0(lambda: files.atomic_save_tensors(state, path))
+    return _on_rank0(lambda: checksums.write_sidecar(files.atomic_save_tensors(state, path)) and path)
 
 
 def load_full(model: nn.Module, path) -> None:
@@ -104,8 +107,10 @@ def load_full(model: nn.Module, path) -> None:
 
     path = Path(path)
     if _dist() is None:
+        checksums.verify_file(path)
         model.load_state_dict(files.read_tensors(path))
         return
+    _on_rank0(lambda: checksums.verify_file(path))    # a damaged file is refused on every rank, not loaded
     state = files.read_tensors(path) if this_rank() == 0 else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
@@ -251,6 +256,16 @@ def commit(root, step: int) -> Path:
         if final.exists():  # saving the same step again: park the old copy, then put the new one in place
             files.remove(parked)
             os.replace(final, parked)
+        try:
+            checksums.write_manifest(tmp)      # what a load verifies before it trusts a byte
+        except OSError as err:
+            if err.errno not in files.DISK_FULL:
+                raise
+            files.remove(tmp)
+            last = latest_checkpoint(root)
+            raise files.disk_full_error(err, f"recording the checksums of {tmp.name}", root,
+                                        f"removed the partial {tmp.name}",
+                                        f"the latest complete checkpoint is still {last.name if last else 'none'}") from None
         os.replace(tmp, final)
         files.fsync_dir(root)
         try:
@@ -276,7 +291,8 @@ def save_sharded(model: nn.Module, optimizer, root, step: int) -> Path:
     return commit(root, step)
 
 
-def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, storage_reader=None) -> int:
+def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, storage_reader=None,
+                 fallback: bool = False) -> int:
     """Load the newest complete checkpoint under `root` (or the folder `checkpoint`) into `model` and
     `optimizer`, at whatever world size is running now (DCP reshards on load). Returns the saved step.
 
@@ -292,6 +308,7 @@ def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, s
         checkpoint = latest_checkpoint(root)
         if checkpoint is None:
             raise ValueError(f"no complete checkpoint under {root}: save one with save_sharded(...) first.")
+    checkpoint = _verified(Path(checkpoint), fallback)
     state = _train_state(model, optimizer)
     state["step"] = -1
     with warnings.catch_warnings():
@@ -305,6 +322,24 @@ def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, s
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
+
+
+def _verified(checkpoint: Path, fallback: bool) -> Path:
+    """`checkpoint` if its files are as saved (checksums.json); else, with `fallback`, the newest older complete
+    step that is, said in one line; else CheckpointDamaged on every rank. Collective."""
+    try:
+        checksums.verify_folder(checkpoint, this_rank(), this_world_size())
+        return checkpoint
+    except checksums.CheckpointDamaged as damage:
+        older = sorted((int(m.group(1)), p) for p in checkpoint.parent.glob("step-*")
+                       if (m := files.STEP_DIR.match(p.name)) and files.complete(p) and p != checkpoint)
+        older = [p for step, p in older if step < int(files.STEP_DIR.match(checkpoint.name).group(1))] \
+            if files.STEP_DIR.match(checkpoint.name) else []
+        if not fallback or not older:
+            raise
+        if this_rank() == 0:
+            print(f"fsdplab: {damage} Loading {older[-1].name} instead (fallback=True).", flush=True)
+        return _verified(older[-1], fallback)
 
 
 def checkpoint_files(root) -> list:

@@ -87,7 +87,7 @@ def test_save_full_round_trip_in_one_process(tmp_path, name):
     assert not all(r[-1] for r in ck.equal_state(ck.full_state(model), ck.full_state(other)))
     ck.load_full(other, tmp_path / name)
     assert all(r[-1] for r in ck.equal_state(ck.full_state(model), ck.full_state(other)))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name]   # no temp file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, name + ".sha256"]   # no temp file left behind
 
 
 def test_sharded_round_trip_in_one_process_keeps_optimizer(tmp_path):
@@ -528,3 +528,74 @@ def test_crash_mid_save_keeps_last_good_checkpoint(cluster, tmp_path):
     assert ck.latest_checkpoint(tmp_path).name == "step-1"
     model, opt = ck.sharded_tiny(CFG, seed=3)
     assert ck.load_sharded(model, opt, tmp_path) == 1
+
+
+# --- damaged checkpoints are refused, in one line, on every rank ------------------------------------------
+
+def _flip(path: Path, at: int, count: int = 16) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(at, min(at + count, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _damage(folder: Path, how: str) -> str:
+    shard = sorted(folder.glob("__*_*.distcp"))[-1]
+    if how == "flipped":
+        _flip(shard, shard.stat().st_size // 2)
+    elif how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        shard.unlink()
+    return shard.name
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "missing"])
+def test_a_damaged_sharded_checkpoint_is_refused_naming_the_file_and_step(tmp_path, saved_step1, how):
+    """Flipped bytes used to load silently (a weight 3411.4 that was -0.0013, then a NaN loss)."""
+    model, opt = saved_step1
+    ck.save_sharded(model, opt, tmp_path, step=2)
+    name = _damage(tmp_path / "step-2", how)
+    fresh, fresh_opt = ck.sharded_tiny(CFG, seed=5)
+    before = ck.full_state(fresh)
+    with pytest.raises(ck.checksums.CheckpointDamaged) as info:
+        ck.load_sharded(fresh, fresh_opt, tmp_path)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and name in message and "step-2" in message, message
+    assert all(r[-1] for r in ck.equal_state(before, ck.full_state(fresh)))       # nothing was loaded
+    assert ck.load_sharded(fresh, fresh_opt, tmp_path, fallback=True) == 1       # only when asked: step 1
+    assert all(r[-1] for r in ck.equal_state(ck.full_state(fresh), _state_of_step(tmp_path / "step-1")))
+
+
+def _state_of_step(folder):
+    model, opt = ck.sharded_tiny(CFG, seed=9)
+    ck.load_sharded(model, opt, checkpoint=folder)
+    return ck.full_state(model)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
+def test_a_damaged_full_state_dict_is_refused(tmp_path, name):
+    model, _ = ck.sharded_tiny(CFG, seed=0)
+    ck.save_full(model, tmp_path / name)
+    _flip(tmp_path / name, (tmp_path / name).stat().st_size - 64)
+    with pytest.raises(ck.checksums.CheckpointDamaged, match=f"{name} is damaged"):
+        ck.load_full(ck.sharded_tiny(CFG, seed=1)[0], tmp_path / name)
+
+
+def _load_damaged_on_ranks(root):
+    from fsdplab import checkpoint as ck
+
+    model, opt = ck.sharded_tiny(CFG, seed=3)
+    try:
+        ck.load_sharded(model, opt, root)
+    except ck.checksums.CheckpointDamaged as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_damaged_shard_is_refused_on_every_rank_of_a_group(cluster, tmp_path):
+    cluster.run(_train_save_resume, str(tmp_path), 2)
+    latest = ck.latest_checkpoint(tmp_path)
+    name = _damage(latest, "flipped")
+    said = cluster.run(_load_damaged_on_ranks, str(tmp_path))
+    assert len(set(said)) == 1 and name in said[0] and latest.name in said[0], said
