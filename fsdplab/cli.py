@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from . import lab as lab_module
-from .runner import INTERRUPTED, declared_parameters, figures_folder, print_table, run_lessons  # noqa: F401
+from .runner import (INTERRUPTED, declared_parameters, figures_folder, output_lock, print_table,  # noqa: F401
+                     run_lessons)
 from .settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent / "notebooks"    # shipped with the package
@@ -126,7 +127,9 @@ def run_command(args) -> int:
     check_folder("--figures", figures_folder(args.figures, out), paths)
     previous = signal.signal(signal.SIGTERM, _interrupt) if _main_thread() else None
     try:
-        rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress, figures=args.figures)
+        with output_lock(out):
+            rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress,
+                               figures=args.figures)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

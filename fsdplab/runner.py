@@ -205,3 +205,29 @@ def print_table(rows) -> None:
 
 
 INTERRUPTED = "interrupted"
+
+
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """Hold `out` for one run: two runs into one folder delete each other's checkpoints and overwrite each
+    other's notebooks. A second run is refused at once, naming the first; the lock ends with its process."""
+    import fcntl
+
+    handle = open(out / ".fsdplab-run.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ValueError(f"--out {out} is in use by another fsdplab run ({holder}): wait for it to end, or "
+                         f"give this run its own folder (--out runs-2).") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()
+

@@ -133,6 +133,18 @@ def test_output_folders_and_parameters_are_checked_before_anything_runs(tmp_path
     assert not (tmp_path / "out" / "tiny.ipynb").exists()
 
 
+def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path, capsys):
+    from fsdplab.runner import output_lock
+
+    nb = tiny_notebook(tmp_path / "tiny.ipynb", "print(steps)")
+    (tmp_path / "out").mkdir()
+    with output_lock(tmp_path / "out"):                       # a first run, in progress
+        assert main(["run", str(nb), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is in use by another fsdplab run (pid {os.getpid()})" in err[0], err
+    assert main(["run", str(nb), "--out", str(tmp_path / "out"), "--no-progress"]) == 0   # free again
+
+
 def test_a_torn_executed_notebook_never_replaces_the_last_whole_one(tmp_path):
     from fsdplab.runner import _put_in_place
 
