@@ -97,6 +97,10 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                 rows = []
                 for i, path in enumerate(paths, 1):
                     rows.append(_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress))
+                    if server is not None and server.poll() is not None:
+                        rows[-1] = (*rows[-1][:3], _server_died(server, rows[-1][3]))
+                        forkserver.stop(server)      # unsets FSDPLAB_FORKSERVER: the next kernels start directly
+                        server = None
                     if rows[-1][1] == INTERRUPTED:   # Ctrl-C or SIGTERM: the lessons after it do not start
                         rows += [(p.stem, "not run", 0.0, "") for p in paths[i:]]
                         break
@@ -108,6 +112,16 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
             shutil.rmtree(server_dir, ignore_errors=True)
         if own_cache:
             shutil.rmtree(own_cache, ignore_errors=True)
+
+
+def _server_died(server, detail: str) -> str:
+    """The summary's detail when the fork server died under a lesson: that, not "Kernel died", is the cause."""
+    import signal as signals
+
+    code = server.returncode
+    how = f"killed by {signals.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return (f"the run's fork server (pid {server.pid}) died ({how}) and took this lesson's kernel, a fork of it, "
+            f"with it; the lessons after it start without it" + (f" [{detail}]" if detail else ""))
 
 
 def _short_temp_dir() -> str | None:

@@ -133,6 +133,32 @@ def test_output_folders_and_parameters_are_checked_before_anything_runs(tmp_path
     assert not (tmp_path / "out" / "tiny.ipynb").exists()
 
 
+def test_a_dead_fork_server_is_named_and_the_run_goes_on_without_it(tmp_path):
+    from fsdplab import forkserver
+
+    if not forkserver.available():
+        pytest.skip("no fork server on this platform")
+    killer = tiny_notebook(tmp_path / "a.ipynb", "import os, signal\nos.kill(int(os.environ['FSDPLAB_TEST_SERVER']), "
+                                                 "signal.SIGKILL)\nimport time; time.sleep(30)")
+    after = tiny_notebook(tmp_path / "b.ipynb", "print('b ran')")
+    real_start = forkserver.start
+
+    def start(folder, *a, **kw):
+        server = real_start(folder, *a, **kw)
+        os.environ["FSDPLAB_TEST_SERVER"] = str(server.pid)
+        return server
+
+    try:
+        forkserver.start = start
+        rows = run_lessons([killer, after], tmp_path / "out", progress=False)
+    finally:
+        forkserver.start = real_start
+        os.environ.pop("FSDPLAB_TEST_SERVER", None)
+    (a, status_a, _, detail_a), (b, status_b, _, _) = rows
+    assert status_a == "FAILED" and "fork server" in detail_a and "SIGKILL" in detail_a, rows
+    assert status_b == "ok", rows
+
+
 def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path, capsys):
     from fsdplab.runner import output_lock
 
