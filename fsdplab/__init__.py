@@ -4,11 +4,12 @@ Importing fsdplab starts nothing: no process, no CUDA, no process group.
 """
 
 from .cluster import Cluster, RankDied, RankError, RankHang
+from .launchers import Local, Mpi, Slurm, Ssh
 from .dist import backend, device, local_rank, mesh, node_mesh, node_rank, print0, rank, world_size
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "RankError", "RankHang", "RankDied", "rank", "world_size", "device", "mesh",
+__all__ = ["Cluster", "Local", "Slurm", "Mpi", "Ssh", "RankError", "RankHang", "RankDied", "rank", "world_size", "device", "mesh",
            "node_mesh", "local_rank", "node_rank", "print0", "backend", "load_ipython_extension"]
 
 

@@ -53,16 +53,16 @@ class Cluster(Waiting):
     ...     cluster.run(lambda: fsdplab.rank())
     [0, 1]
 
-    launcher="local" (the default): the ranks are processes on this machine. launcher="slurm": one
-    Slurm job runs them on `nodes` nodes, world_size // nodes per node, while the kernel and the
-    controller stay here (a login node). Slurm options: `nodes`, `gpus_per_node` (default: one per rank
+    launcher=fsdplab.Local() (the default; or "local"): the ranks are processes on this machine. launcher=
+    fsdplab.Slurm(nodes=2, ...): one Slurm job runs them on `nodes` nodes, world_size // nodes per node, while the
+    kernel and the controller stay here (a login node). Slurm's options: `nodes`, `gpus_per_node` (default: one per rank
     under nccl), `partition`, `time_limit` (sbatch --time, e.g. "1:00:00"), `sbatch_args` (more sbatch
     options, e.g. ["--account=proj"]; CPU ranks run as many threads as its --cpus-per-task, else 1), `slurm_conf` (default $SLURM_CONF), `address` (where the nodes
     reach this machine; default what its host name resolves to). `start_timeout`: seconds the ranks
     may take to connect (a Slurm job still pending then is cancelled, with Slurm's reason).
 
-    launcher="mpi": one mpiexec starts the ranks on `hosts` (world_size // len(hosts) each; None: this
-    machine), `mpi_args` appended to its command line. launcher="ssh": ssh starts them on `hosts`
+    launcher=fsdplab.Mpi(...): one mpiexec starts the ranks on `hosts` (world_size // len(hosts) each; None: this
+    machine), `mpi_args` appended to its command line. launcher=fsdplab.Ssh(...): ssh starts them on `hosts`
     ([user@]name[:port]), with `ssh_args` (e.g. ["-i", KEY]) and `remote_python` (default: this
     Python's path). Both keep the kernel and the controller here (fsdplab.launchers).
     """
@@ -77,16 +77,16 @@ class Cluster(Waiting):
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 120.0,
                  collective_timeout: float = 300.0, quiet: bool = False, record_collectives: bool = True,
-                 spares: bool = True, output: str = "lines", launcher: str = "local", nodes: int | None = None,
+                 spares: bool = True, output: str = "lines", launcher="local", nodes: int | None = None,
                  gpus_per_node: int | None = None, partition: str | None = None, time_limit: str | None = None,
                  sbatch_args: list | None = None, slurm_conf: str | None = None, address: str | None = None,
                  start_timeout: float = 120.0, hosts: list | None = None, mpi_args: list | None = None,
                  ssh_args: list | None = None, remote_python: str | None = None):
-        self.launcher = launcher
-        self._remote, self.backend = launchers.options(launcher, world_size, backend, dict(
+        self.launcher, given = launchers.resolve(launcher, dict(  # a launcher object, or a name + flat options
             nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time_limit=time_limit,
             sbatch_args=sbatch_args, slurm_conf=slurm_conf, address=address, hosts=hosts, mpi_args=mpi_args,
             ssh_args=ssh_args, remote_python=remote_python))
+        self._remote, self.backend = launchers.options(self.launcher, world_size, backend, given)
         spares = spares if self._remote is None else False  # elsewhere spares would hold nodes idle
         _check_output(output)
         self.output = output

@@ -61,11 +61,78 @@ class RemoteOptions:
     gpus_per_node: int = 0
 
 
+# --- the launchers as objects: each holds its own options ----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """The ranks are processes on this machine (the default)."""
+
+    kind = "local"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slurm:
+    """The ranks run in one Slurm job of `nodes` nodes: Cluster(8, launcher=Slurm(nodes=2, partition="gpu"))."""
+
+    kind = "slurm"
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    time_limit: str | None = None
+    sbatch_args: list | None = None
+    slurm_conf: str | None = None
+    address: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mpi:
+    """One mpiexec starts the ranks on `hosts` (None: this machine): Cluster(4, launcher=Mpi(hosts=["a", "b"]))."""
+
+    kind = "mpi"
+    hosts: list | None = None
+    mpi_args: list | None = None
+    address: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ssh:
+    """ssh starts each rank on its host: Cluster(4, launcher=Ssh(hosts=["node1", "node2"], ssh_args=["-i", KEY]))."""
+
+    kind = "ssh"
+    hosts: list | None = None
+    ssh_args: list | None = None
+    remote_python: str | None = None
+    address: str | None = None
+
+
+LAUNCHER_CLASSES = {cls.kind: cls for cls in (Local, Slurm, Mpi, Ssh)}
+
+
+def resolve(launcher, flat: dict) -> tuple:
+    """(kind, every option by name) from a launcher object, or from a kind's name plus Cluster's flat options
+    (the older form: it still works, with a note naming the object to write instead)."""
+    given = {name: value for name, value in flat.items() if value is not None}
+    if isinstance(launcher, tuple(LAUNCHER_CLASSES.values())):
+        if given:
+            raise ValueError(f"{', '.join(given)} given to Cluster and a launcher object: put them in the object, "
+                             f"e.g. launcher=fsdplab.{type(launcher).__name__}({next(iter(given))}=...).")
+        return launcher.kind, {**dict.fromkeys(flat), **dataclasses.asdict(launcher)}
+    if isinstance(launcher, str) and launcher in LAUNCHER_CLASSES and launcher != "local" and given:
+        cls = LAUNCHER_CLASSES[launcher]
+        fits = ", ".join(f"{k}={v!r}" for k, v in given.items() if k in {f.name for f in dataclasses.fields(cls)})
+        import warnings
+
+        warnings.warn(f"launcher={launcher!r} with options on Cluster still works, but the options now belong to "
+                      f"the launcher: write launcher=fsdplab.{cls.__name__}({fits}).", FutureWarning, stacklevel=3)
+    return launcher, {**dict.fromkeys(flat), **given}
+
+
 def options(launcher: str, world_size: int, backend: str, given: dict):
     """(options for the launcher, None for "local"; the backend) after checking every option."""
     if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher is one of {', '.join(map(repr, LAUNCHERS))}, got {launcher!r}: 'local' runs "
-                         "the ranks on this machine, 'slurm' in a Slurm job, 'mpi' under mpiexec, 'ssh' over ssh.")
+        raise ValueError(f"launcher is fsdplab.Local(), Slurm(...), Mpi(...) or Ssh(...) (or one of "
+                         f"{', '.join(map(repr, LAUNCHERS))}), got {launcher!r}: Local runs the ranks on this "
+                         "machine, Slurm in a Slurm job, Mpi under mpiexec, Ssh over ssh.")
     wrong = [k for k, v in given.items() if v is not None and launcher not in _OPTION_OF[k]]
     if wrong:
         owners = sorted({o for k in wrong for o in _OPTION_OF[k]}, key=LAUNCHERS.index)

@@ -158,13 +158,39 @@ def test_bad_slurm_input_says_the_fix(record):
 def test_unknown_launcher_and_missing_slurm_tools(monkeypatch):
     import fsdplab
 
-    with pytest.raises(ValueError, match="launcher is one of 'local', 'slurm'"):
+    with pytest.raises(ValueError, match="or one of 'local', 'slurm'"):
         fsdplab.Cluster(2, launcher="kubernetes")
     with pytest.raises(ValueError, match="only apply to launcher='slurm'"):
         fsdplab.Cluster(2, nodes=2)
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="needs Slurm's tools"):
         fsdplab.Cluster(2, launcher="slurm", nodes=2)
+
+
+def test_launcher_objects_hold_their_options_and_the_flat_form_still_works(monkeypatch):
+    import warnings
+
+    import fsdplab
+    from fsdplab import launchers
+
+    flat = dict(nodes=2, partition="gpu", time_limit="2:00:00", gpus_per_node=None, sbatch_args=None,
+                slurm_conf=None, address=None, hosts=None, mpi_args=None, ssh_args=None, remote_python=None)
+    kind, given = launchers.resolve(fsdplab.Slurm(nodes=2, partition="gpu", time_limit="2:00:00"), dict.fromkeys(flat))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert launchers.resolve("slurm", flat) == (kind, given) == ("slurm", flat)
+    [note] = [w for w in seen if issubclass(w.category, FutureWarning)]
+    assert "launcher=fsdplab.Slurm(nodes=2, partition='gpu', time_limit='2:00:00')" in str(note.message)
+    assert launchers.resolve(fsdplab.Ssh(hosts=["a"]), dict.fromkeys(flat))[1]["hosts"] == ["a"]
+    assert launchers.resolve(fsdplab.Local(), dict.fromkeys(flat))[0] == "local"
+    with pytest.raises(ValueError, match=r"put them in the object, e.g. launcher=fsdplab.Slurm\(nodes=...\)"):
+        fsdplab.Cluster(2, launcher=fsdplab.Slurm(partition="gpu"), nodes=2)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        fsdplab.Cluster(4, launcher=fsdplab.Ssh(hosts=["a", "b", "c"]))
+    assert fsdplab.Cluster(2, launcher=fsdplab.Local()).launcher == "local"
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError, match="needs Slurm's tools"):
+        fsdplab.Cluster(2, launcher=fsdplab.Slurm(nodes=2))
 
 
 def test_ranks_follow_node_then_local_index_not_engine_id():
