@@ -20,6 +20,9 @@ def test_shard_bytes_checker():
     assert check("01-shard-bytes", 24, shape=(5, 3), world_size=4)
     wrong = check("01-shard-bytes", 15 * 4 / 4, shape=(5, 3), world_size=4)
     assert not wrong and "padded" in wrong.message
+    # a column split (5 rows x 1 col), the whole weight, a row count, elements not bytes, a bool, text
+    for answer in (5 * 4, 60, 2, 6, True, "24", float("nan"), -24):
+        assert not check("01-shard-bytes", answer, shape=(5, 3), world_size=4), answer
 
 
 def test_state_bytes_checker_uses_the_measured_report():
@@ -27,7 +30,9 @@ def test_state_bytes_checker_uses_the_measured_report():
     report = formula(model=params, world_size=4, strategy="full_shard", precision="fp32")   # stands in for measure
     measured = sum(report.resident.values()) / params
     assert check("01-state-bytes", measured, report=report, params=params)
-    assert not check("01-state-bytes", 16, report=report, params=params)
+    # unsharded (16), Adam's 3x of the posts (12), parameters only (4 / N), per rank and not per parameter
+    for answer in (16, 12, 1, measured * 4, sum(report.resident.values()), True, "4", float("inf")):
+        assert not check("01-state-bytes", answer, report=report, params=params), answer
 
 
 def test_pure_bf16_checker():
@@ -35,6 +40,12 @@ def test_pure_bf16_checker():
     assert check("01-pure-bf16-gib", sum(report.resident.values()) / GIB)
     wrong = check("01-pure-bf16-gib", 2 * sum(report.resident.values()) / GIB)
     assert not wrong and "Hint" in wrong.message
+    bigger = formula(model="llama2-13b", world_size=8, strategy="ddp", precision="bf16", base_dtype="bf16")
+    answer = sum(bigger.resident.values()) / GIB
+    assert check("01-pure-bf16-gib", answer, model="llama2-13b")          # the lesson asks for Llama-2-13B
+    # the 7B figure the lesson prints, GB for GiB, mixed-precision Adam's 16 B/param
+    for wrong_answer in (sum(report.resident.values()) / GIB, answer * GIB / 1e9, 2 * answer):
+        assert not check("01-pure-bf16-gib", wrong_answer, model="llama2-13b"), wrong_answer
 
 
 def test_no_answer_yet():
@@ -91,6 +102,7 @@ def test_parameters_parse_and_world_size_is_declared(caplog):
     assert {"world_size", "world_sizes", "wrap_layers", "estimate_workers"} <= set(declared)
 
 
-@pytest.mark.parametrize("needle", ["ddp7_state > 80e9", "24.3", "dash.set("])
+@pytest.mark.parametrize("needle", ["ddp7_state > 80e9", "24.3", "dash.set(", "24,576", "DP too", "sharding_math.shard_layout",
+                                    "the posts' sequence length", "gpu_mem_gib=24)"])
 def test_fixed_statements_stay_fixed(needle):
     assert needle not in NOTEBOOK.read_text()

@@ -37,10 +37,10 @@ def full_finetune_verdict(reports, gpu_gib: float = A10_GIB) -> str:
     peaks = f"peak {plain:.1f} GiB without activation checkpointing, {ckpt:.1f} GiB with"
     share = f"the model states alone take {states:.1f} GiB ({states / gpu_gib:.0%} of the card)"
     if plain <= gpu_gib:
-        return f"a full fine-tune of Qwen-7B on 8 ranks fits on a {gpu_gib:g} GiB card: {peaks}; {share}."
+        return f"a full fine-tune of Qwen-7B on 8 ranks fits on a {gpu_gib:.2f} GiB card: {peaks}; {share}."
     if ckpt <= gpu_gib:
-        return (f"a full fine-tune of Qwen-7B on 8 ranks fits on a {gpu_gib:g} GiB card only with activation "
+        return (f"a full fine-tune of Qwen-7B on 8 ranks fits on a {gpu_gib:.2f} GiB card only with activation "
                 f"checkpointing, with {gpu_gib - ckpt:.1f} GiB to spare before the CUDA context and fragmentation: "
                 f"{peaks}; {share}.")
-    return (f"a full fine-tune of Qwen-7B on 8 ranks does not fit on a {gpu_gib:g} GiB card: {peaks}; {share}. "
+    return (f"a full fine-tune of Qwen-7B on 8 ranks does not fit on a {gpu_gib:.2f} GiB card: {peaks}; {share}. "
             "LoRA, not sharding, is what makes it fit.")

@@ -1,7 +1,6 @@
-"""Lesson 01 (sharding math) only: what one rank keeps of a sharded parameter, and the per-rank bytes of the
-tiny transformer trained under DDP, SHARD_GRAD_OP and FULL_SHARD over a growing group of ranks (both run on
-the ranks, inside `cluster.run`); the verdict words of the lesson's claims, each a function of what was
-measured; and the lesson's exercises.
+"""Lesson 01 (sharding math) only: the verdict words of the lesson's claims, each a function of what the
+notebook measured (its experiments, `fully_shard` and DDP on live ranks, are written in its cells), and the
+lesson's exercises.
 """
 
 from __future__ import annotations
@@ -12,59 +11,6 @@ from ..exercises import close, exercise
 from ..settings import GIB, MIB
 
 NOT_AT_ONE_RANK = "not tested at world size 1"
-
-
-def shard_layout(shapes=((8, 4), (7, 4))) -> list:
-    """fully_shard a module holding one parameter per shape over all ranks and report what this rank keeps
-    of each: local shape, placements, and the bytes of its (padded) storage."""
-    import torch
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
-
-    from ..dist import mesh
-
-    module = nn.Module()
-    for i, shape in enumerate(shapes):
-        module.register_parameter(f"w{i}", nn.Parameter(torch.arange(math.prod(shape), dtype=torch.float32)
-                                                        .reshape(shape)))
-    fully_shard(module, mesh=mesh())
-    rows = []
-    for (name, p), shape in zip(module.named_parameters(), shapes):
-        local = p.to_local()
-        rows.append({"parameter": name, "global_shape": tuple(shape), "local_shape": tuple(local.shape),
-                     "placements": str(p.placements), "local_values": local.tolist(),
-                     "storage_bytes": local.untyped_storage().nbytes()})
-    return rows
-
-
-def replica_bytes(strategy: str = "full_shard", group_size: int | None = None, cfg=None, steps: int = 2,
-                  batch_size: int = 2, per_block: bool = True, optimizer: str = "adamw"):
-    """Train the tiny transformer (fp32, Adam) with `strategy` ('ddp' is real DDP, 'shard_grad_op',
-    'full_shard') over ranks 0..group_size-1 and `measure` it. Ranks outside the group return None; members
-    return their MemoryReport with `detail['params']` = the model's parameter count."""
-    from ..dist import device, first_ranks, this_rank, world_size
-    from ..memory import measure
-    from ..models import TinyConfig, random_batch
-    from ..settings import check_choice
-    from ..sharding import apply_ddp, apply_fsdp, build_tiny, make_optimizer
-
-    check_choice("strategy", strategy, ("ddp", "shard_grad_op", "full_shard"))
-    group, group_mesh, member = first_ranks(group_size)
-    if not member:
-        return None
-    cfg = cfg or TinyConfig()
-    model = build_tiny(cfg, seed=0, device=device())
-    params = sum(p.numel() for p in model.parameters())
-    if strategy == "ddp":
-        model = apply_ddp(model, device(), process_group=group)
-    else:
-        apply_fsdp(model, group_mesh, reshard_after_forward=strategy == "full_shard",
-                   per_block=per_block)
-    opt = make_optimizer(model, optimizer, lr=1e-3)
-    report = measure(model, opt, random_batch(cfg, batch_size, seed=this_rank(), device=device()), steps=steps)
-    report.detail["params"] = params
-    report.settings.update(strategy=strategy, group_size=group_size or world_size(), per_block=per_block)
-    return report
 
 
 # --- verdicts: each a function of the measured values ------------------------------------------------------
@@ -131,8 +77,8 @@ def claim2_measured(ddp_state_bytes: list, full_state_last: int, params: int, wo
     if last == 1:
         return (f"on 1 rank every strategy keeps the whole model state, {ddp_state_bytes[0] / params:.2f} B/param: "
                 "replicas and shards only differ from 2 ranks on")
-    return (f"DDP holds {ddp_state_bytes[0] / params:.2f} B/param on every rank at N = {world_sizes} (DP too: N full "
-            f"replicas); sharded strategies hold {full_state_last / params:.2f} B/param at N={last}. FSDP2's "
+    return (f"DDP holds {ddp_state_bytes[0] / params:.2f} B/param on every rank at N = {world_sizes} "
+            f"(nn.DataParallel, the posts' DP, is not measured); sharded strategies hold {full_state_last / params:.2f} B/param at N={last}. FSDP2's "
             f"SHARD_GRAD_OP keeps the same shards at rest as FULL_SHARD and differs in the peak ({sgo_peak / MIB:.2f} "
             f"vs {full_peak / MIB:.2f} MiB): parameters stay gathered from forward to backward")
 
