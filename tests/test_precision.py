@@ -60,6 +60,19 @@ def test_loss_scale_checker_and_verdicts():
     assert M.claim10_verdict("no error", ["float32"]) == "TRUE"
 
 
+def test_reduce_bytes_checker_takes_the_remeasured_bytes_only():
+    from fsdplab.exercises import check
+
+    params, measured = 30_080, 30_080 * 2          # what the lesson's cell measures with reduce_dtype=bf16
+    assert check("04-reduce-bytes", measured, measured=measured, params=params, dtypes=["bfloat16"]).ok
+    # the fp32 bytes before the change, per rank divided by N, params only, bits not bytes, a bool, text, nan
+    for wrong in (4 * params, measured / 2, params, 16 * params, True, "60160", float("nan"), -measured):
+        verdict = check("04-reduce-bytes", wrong, measured=measured, params=params, dtypes=["bfloat16"])
+        assert not verdict.ok, wrong
+    assert "reduce_dtype" in check("04-reduce-bytes", 4 * params, measured=measured, params=params,
+                                   dtypes=["bfloat16"]).message
+
+
 def test_underflow_fraction():
     grads = torch.tensor([1e-9, 1e-3])
     assert P.underflow_fraction(grads, "fp16") == 0.5

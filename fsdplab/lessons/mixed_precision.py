@@ -67,6 +67,17 @@ def _loss_scale(answer, *, grads, shrink):
                   f"the safe window for these gradients runs from {low:g} to {high:.3g}.")
 
 
+@exercise("04-reduce-bytes")
+def _reduce_bytes(answer, *, measured, params: int, dtypes):
+    """Bytes the gradient reduce-scatters of one backward carried on one rank, as the cell re-measured them."""
+    from ..exercises import close
+
+    return close(answer, measured, rel=0.02, unit=" B",
+                 hint=f"a reduce-scatter takes every unsharded gradient as input: {params:,} parameters times the "
+                      f"bytes of reduce_dtype ({', '.join(dtypes)} here); param_dtype does not decide it, and neither "
+                      "does the number of ranks.")
+
+
 # --- one cluster, groups of its ranks ---------------------------------------------------------------
 
 def on_group(cluster, group_size: int, fn, *args, **kwargs) -> list:
@@ -112,21 +123,29 @@ def draw_scalers(fig, runs: dict, inf_step: int):
     run's (0 = the same parameters)."""
     ax_scale, ax_sum = fig.subplots(1, 2)
     agree = {r["rank"]: r for r in runs["agree"]}
+    same = len({tuple(r["scales"]) for r in runs["agree"]}) == 1
     for kind, ranks in runs.items():
         for r in ranks:
-            style = "-" if kind == "agree" else "--"
-            # Agreeing ranks draw wide and pale, so the per-rank lines on top of them stay visible.
-            look = dict(lw=6, alpha=0.35) if kind == "agree" else dict(marker="os"[r["rank"] % 2])
-            ax_scale.plot(r["scales"], style, label=f"{kind}, rank {r['rank']}", **look)
             diff = [abs(a - b) for a, b in zip(r["checksums"], agree[r["rank"]]["checksums"])]
-            if kind != "agree":
-                ax_sum.plot(diff, style, marker="o", label=f"{kind} vs agree, rank {r['rank']}")
+            if kind == "agree":
+                if same and r["rank"] != ranks[0]["rank"]:
+                    continue     # identical on every rank: one band, named so
+                # wide and pale, so the per-rank lines drawn over it stay visible
+                label = "agreeing scaler, every rank (identical)" if same else f"agreeing scaler, rank {r['rank']}"
+                ax_scale.plot(r["scales"], "-", color="grey", lw=7, alpha=0.35, label=label)
+                continue
+            ax_scale.plot(r["scales"], "--", marker="os"[r["rank"] % 2], label=f"per-rank scaler, rank {r['rank']}")
+            ax_sum.plot(diff, "--", marker="o", label=f"per-rank vs agreeing, rank {r['rank']}")
     for ax in (ax_scale, ax_sum):
         ax.axvline(inf_step, color="gray", ls=":", label="inf on one rank")
         ax.set_xlabel("step")
         ax.set_xticks(range(len(runs["agree"][0]["scales"])))
         ax.legend(fontsize=7)
-    ax_scale.set(ylabel="loss scale", yscale="log", title="loss scale per rank")
+    values = sorted({v for ranks in runs.values() for r in ranks for v in r["scales"]})
+    ax_scale.set_yscale("log")
+    ax_scale.set_yticks(values, [f"{v:,.0f}" for v in values])
+    ax_scale.minorticks_off()
+    ax_scale.set(ylabel="loss scale (log axis)", title="loss scale per rank")
     ax_sum.set(ylabel="|shard checksum - agreeing run's|", title="parameters vs the agreeing scaler")
     fig.tight_layout()
 
@@ -146,19 +165,24 @@ def draw_curves(fig, curves: dict, title: str = ""):
     markers = "osD^v"
     spread = curve_spread(curves)
     for k, (mode, losses) in enumerate(curves.items()):
+        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        # A mode that turns NaN has few finite points, each marked and drawn on top so none hides under fp32's.
+        look = (dict(markevery=None, markersize=9, zorder=5) if bad is not None
+                else dict(markevery=(k, len(curves)), markersize=6))
         line, = ax.plot(range(len(losses)), losses, label=mode, lw=2.5 if mode == "fp32" else 1.2,
                         ls="-" if mode in ("fp32", "bf16") else "--", marker=markers[k % len(markers)],
-                        markevery=(k, len(curves)), markersize=6, alpha=0.85)
-        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+                        alpha=0.85, **look)
         if bad is not None:
             last = losses[bad - 1] if bad else losses[0]
-            ax.plot([bad], [last], "X", color=line.get_color(), markersize=12)
-            ax.annotate(f"{mode}: NaN from step {bad}", (bad, last), xytext=(15, -25), textcoords="offset points",
-                        fontsize=8, color=line.get_color(), arrowprops={"arrowstyle": "-", "color": "gray"})
+            ax.plot([bad], [last], "X", color=line.get_color(), markersize=12, zorder=5)
+            ax.annotate(f"{mode}: NaN from step {bad}\n(X: drawn at its last finite loss)", (bad, last),
+                        xytext=(15, -30), textcoords="offset points", fontsize=8, color=line.get_color(),
+                        arrowprops={"arrowstyle": "-", "color": "gray"})
         if mode != "fp32":
             diff = [abs(a - b) if math.isfinite(a) else float("nan") for a, b in zip(losses, curves["fp32"])]
-            ax_diff.plot(range(len(diff)), [max(d, 1e-9) for d in diff], marker=".", color=line.get_color(),
-                         label=mode)
+            ax_diff.plot(range(len(diff)), [max(d, 1e-9) for d in diff], marker="v" if bad is not None else ".",
+                         markersize=9 if bad is not None else 6, zorder=5 if bad is not None else 2,
+                         color=line.get_color(), label=mode + (f" (finite until step {bad - 1})" if bad else ""))
     finite = {m: v for m, v in spread.items() if math.isfinite(v) and all(map(math.isfinite, curves[m]))}
     if finite:
         worst = max(finite, key=finite.get)
@@ -169,7 +193,7 @@ def draw_curves(fig, curves: dict, title: str = ""):
     ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)", title="loss")
     ax.legend(fontsize=8)
     ax_diff.set(yscale="log", xlabel="step", ylabel="|loss - fp32 loss| (nats)", title="distance from fp32")
-    ax_diff.legend(fontsize=8)
+    ax_diff.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)   # off the data
     if title:
         fig.suptitle(title)
     fig.tight_layout()
