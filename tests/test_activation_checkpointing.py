@@ -25,7 +25,7 @@ def qwen():
 
 @pytest.fixture(scope="module")
 def flops():
-    wide = A.wide_config("qwen-7b", layers=1)
+    wide = A.wide_config("qwen-7b", layers=2)
     return {"full": A.flop_table(wide, 256, modes=("none", "torch", "posts")),
             "lora": A.flop_table(wide, 256, modes=("none", "torch"), lora_rank=8)}
 
@@ -35,7 +35,14 @@ def flops():
 def test_block_backward_is_twice_forward_without_checkpointing(flops):
     plain = flops["full"]["none"]
     assert plain["blocks_backward"] == 2 * plain["blocks_forward"]
-    assert plain["layers"] == 1
+    assert plain["layers"] == 2 and plain["block_backward"][0] == plain["block_backward"][1]
+
+
+def test_a_lora_models_first_block_skips_its_input_gradient_and_deeper_ones_do_not(flops):
+    """Scaling block 0 to 32 blocks was the bug: its input (the frozen embedding's output) needs no gradient."""
+    lora = flops["lora"]["none"]
+    first, deep = (b / f for b, f in zip(lora["block_backward"], lora["block_forward"]))
+    assert first < 0.9 < 1.0 < deep < 1.2, (first, deep)
 
 
 def test_reentrant_recomputes_the_whole_block(flops):
@@ -52,10 +59,12 @@ def test_non_reentrant_stops_early_and_lora_pays_more(flops):
 
 
 def test_flops_at_depth_scales_blocks_only(flops):
-    counts = flops["full"]["none"]
-    one, two = A.flops_at_depth(counts, 1), A.flops_at_depth(counts, 2)
-    assert one["total"] == counts["forward"] + counts["backward"]
-    assert two["total"] - one["total"] == counts["blocks_forward"] + counts["blocks_backward"]
+    for counts in (flops["full"]["none"], flops["lora"]["none"]):
+        two, three = A.flops_at_depth(counts, 2), A.flops_at_depth(counts, 3)
+        assert two["total"] == counts["forward"] + counts["backward"]                  # as measured
+        assert three["total"] - two["total"] == counts["block_forward"][-1] + counts["block_backward"][-1]
+    with pytest.raises(ValueError, match="2 or more blocks"):
+        A.flops_at_depth(A.flop_table(A.wide_config("qwen-7b", layers=1), 64, modes=("none",))["none"], 32)
 
 
 # --- claim 8: bytes ---------------------------------------------------------------------------------------
@@ -159,17 +168,27 @@ def test_claim_verdicts_follow_the_numbers():
 
 def test_lora_recompute_checker(flops):
     measured = A.recompute_ratio(flops["lora"]["none"], flops["lora"]["torch"])
+    assert 1.4 < measured < 1.55, measured          # one more forward on a backward of about one forward
     assert check("08-lora-recompute", measured * 1.01, measured=measured)
-    assert not check("08-lora-recompute", 4 / 3, measured=measured)
+    first_block = ((flops["lora"]["torch"]["block_forward"][0] + flops["lora"]["torch"]["block_backward"][0])
+                   / (flops["lora"]["none"]["block_forward"][0] + flops["lora"]["none"]["block_backward"][0]))
+    # the textbook 4/3, the first block's ratio (the old bug), a percentage, 1.0, a bool, text
+    for wrong in (4 / 3, first_block, 47.6, 1.0, True, "1.48", float("nan")):
+        assert not check("08-lora-recompute", wrong, measured=measured), wrong
 
 
 def test_saved_per_block_checker(twin):
     saved = A.saved_bytes(A.build(twin, "torch"), A.token_batch(twin, 2, 16))["regions"]["block 1"]
     assert check("08-saved-per-block", 2 * 16 * twin.hidden_size * 4, measured=saved)
     assert not check("08-saved-per-block", 2 * 16 * twin.hidden_size * 2, measured=saved)
+    for wrong in (16 * twin.hidden_size * 4, 2 * 16 * twin.hidden_size, 0, True, "8192", float("inf")):
+        assert not check("08-saved-per-block", wrong, measured=saved), wrong
 
 
 def test_units_checker():
-    assert check("08-units", 227, min_num_params=1e7)
+    assert check("08-units", 163, min_num_params=1e7)                      # the posts' Qwen-7B v1
+    assert check("08-units", 227, min_num_params=1e7, model="qwen-7b")     # the Qwen2 layout
     assert not check("08-units", 35, min_num_params=1e7)
     assert not check("08-units", "many", min_num_params=1e7)
+    for wrong in (227, 33, 160, "163", True, 163.5, float("nan"), -163):   # Qwen2's count, per block, Linears only
+        assert not check("08-units", wrong, min_num_params=1e7), wrong

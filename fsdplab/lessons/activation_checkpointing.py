@@ -163,28 +163,35 @@ def flop_counts(model: nn.Module, batch) -> dict:
     # only if it also saw their forward. The forward's share is read before backward starts.
     with eager_attention_masks(), FlopCounterMode(display=False) as counter:   # the masks: see the shim
         loss = loss_of(model, batch)
-        forward, blocks_forward = count(counter), sum(count(counter, k) for k in keys)
+        forward, each_forward = count(counter), [count(counter, k) for k in keys]
         loss.backward()
-        total, blocks_total = count(counter), sum(count(counter, k) for k in keys)
-    return {"forward": forward, "backward": total - forward, "blocks_forward": blocks_forward,
-            "blocks_backward": blocks_total - blocks_forward, "layers": len(keys)}
+        total, each_total = count(counter), [count(counter, k) for k in keys]
+    each_backward = [t - f for t, f in zip(each_total, each_forward)]
+    # Per block, both ends: the first block's input is the embedding's output, which needs no gradient when
+    # the embedding is frozen (LoRA), so its backward skips a matmul the deeper blocks do. Scale with a deep one.
+    return {"forward": forward, "backward": total - forward, "blocks_forward": sum(each_forward),
+            "blocks_backward": sum(each_backward), "layers": len(keys), "block_forward": each_forward,
+            "block_backward": each_backward}
 
 
 def flops_at_depth(counts: dict, layers: int) -> dict:
-    """`flop_counts` of a shallow model scaled to `layers` blocks: every block costs the same, the rest
-    (embedding, LM head, loss) once. Returns forward, backward and total."""
-    per_block_fwd = counts["blocks_forward"] / counts["layers"]
-    per_block_bwd = counts["blocks_backward"] / counts["layers"]
-    forward = counts["forward"] - counts["blocks_forward"] + layers * per_block_fwd
-    backward = counts["backward"] - counts["blocks_backward"] + layers * per_block_bwd
+    """`flop_counts` of a shallow model (at least 2 blocks) scaled to `layers` blocks: the first block as
+    measured, every later one as the deepest measured block (a first block can cost less: see flop_counts),
+    the rest (embedding, LM head, loss) once. Returns forward, backward and total."""
+    if counts["layers"] < 2:
+        raise ValueError("flops_at_depth needs a model of 2 or more blocks: the first block's backward can differ "
+                         "from a deeper one's (build it with wide_config(..., layers=2)).")
+    rest_fwd, rest_bwd = counts["forward"] - counts["blocks_forward"], counts["backward"] - counts["blocks_backward"]
+    forward = rest_fwd + counts["block_forward"][0] + (layers - 1) * counts["block_forward"][-1]
+    backward = rest_bwd + counts["block_backward"][0] + (layers - 1) * counts["block_backward"][-1]
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 
 def recompute_ratio(plain: dict, checkpointed: dict, part: str = "blocks") -> float:
     """(forward + backward) FLOPs with checkpointing over without, for the blocks alone or the whole step."""
-    if part == "blocks":
-        return ((checkpointed["blocks_forward"] + checkpointed["blocks_backward"])
-                / (plain["blocks_forward"] + plain["blocks_backward"]))
+    if part == "blocks":       # a deep block: its input needs a gradient, as every block's but the first does
+        return ((checkpointed["block_forward"][-1] + checkpointed["block_backward"][-1])
+                / (plain["block_forward"][-1] + plain["block_backward"][-1]))
     return (checkpointed["forward"] + checkpointed["backward"]) / (plain["forward"] + plain["backward"])
 
 

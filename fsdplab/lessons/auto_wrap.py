@@ -64,6 +64,33 @@ def policy_units(model: nn.Module, policy) -> list:
     return units
 
 
+def qwen_v1_meta(config=None) -> nn.Module:
+    """Qwen-7B v1 as its own modeling code lays it out (the posts' model), on the meta device: per block ONE
+    fused `attn.c_attn` (q, k and v together), `attn.c_proj`, `mlp.w1`, `mlp.w2`, `mlp.c_proj`, then the
+    embedding `wte`, `ln_f` and `lm_head`. The lab's Qwen2 classes split c_attn into q/k/v: more units at 1e7."""
+    import torch
+
+    from ..models import hf_config
+
+    c = config or hf_config("qwen-7b")
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+
+    def named(**children):
+        module = nn.Module()
+        for name, child in children.items():
+            module.add_module(name, child)
+        return module
+
+    with torch.device("meta"):
+        blocks = nn.ModuleList(
+            named(ln_1=nn.RMSNorm(h), attn=named(c_attn=nn.Linear(h, 3 * h), c_proj=nn.Linear(h, h, bias=False)),
+                  ln_2=nn.RMSNorm(h), mlp=named(w1=nn.Linear(h, i, bias=False), w2=nn.Linear(h, i, bias=False),
+                                                c_proj=nn.Linear(i, h, bias=False)))
+            for _ in range(c.num_hidden_layers))
+        return named(transformer=named(wte=nn.Embedding(v, h), h=blocks, ln_f=nn.RMSNorm(h)),
+                     lm_head=nn.Linear(h, v, bias=False))
+
+
 def block_units(model: nn.Module) -> list:
     """(name, parameters) of the lab's layout (`apply_fsdp`): one unit per block, the root with the rest."""
     from ..models import blocks_of
@@ -121,7 +148,7 @@ def claim11_verdict(*, error: str, units: int, block_units: int) -> tuple:
     """(verdict, reason) for passing `size_based_auto_wrap_policy(min_num_params=1e7)` directly."""
     runs = not error
     reason = (("the call runs" if runs else f"the call raises {error.split(':')[0]}") + "; with functools.partial, "
-              f"1e7 makes {units} units of Qwen-7B against {block_units} per block ({units / block_units:.1f}x the "
+              f"1e7 makes {units} units of Qwen-7B (v1, fused c_attn) against {block_units} per block ({units / block_units:.1f}x the "
               "collectives)")
     return ("right" if runs else "wrong"), reason
 
@@ -129,15 +156,16 @@ def claim11_verdict(*, error: str, units: int, block_units: int) -> tuple:
 # --- exercise -----------------------------------------------------------------------------------------------
 
 @exercise("08-units")
-def _units(answer, *, min_num_params, model="qwen-7b"):
-    """How many FSDP1 units `min_num_params` makes of `model`, against policy_units on its meta-device build."""
+def _units(answer, *, min_num_params, model="qwen-7b-v1"):
+    """How many FSDP1 units `min_num_params` makes of `model` (default the posts' Qwen-7B v1, fused c_attn),
+    against policy_units on its meta-device build."""
     from ..models import causal_lm
 
-    measured = len(policy_units(causal_lm(model, device="meta"), size_policy(min_num_params)))
-    try:
-        value = int(answer)
-    except (TypeError, ValueError):
+    built = qwen_v1_meta() if model == "qwen-7b-v1" else causal_lm(model, device="meta")
+    measured = len(policy_units(built, size_policy(min_num_params)))
+    if isinstance(answer, (bool, str)) or not isinstance(answer, (int, float)) or not float(answer).is_integer():
         return False, f"expected a whole number of units, got {answer!r}."
+    value = int(answer)
     if value == measured:
         return True, f"{value} units, as the walk FSDP1 does counts them on {model}."
     return False, (f"{value} is {'too many' if value > measured else 'too few'}. Hint: list one block's Linear layers "
