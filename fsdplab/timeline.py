@@ -294,4 +294,19 @@ def draw_timeline(traces, ax=None, title: str = "One training step per rank", un
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title)
     ax.grid(axis="x", alpha=0.3)
+    _legend(ax, {label for _, bars in rows for _, _, label in bars})
     return ax
+
+
+def _legend(ax, labels) -> None:
+    """What the colours and the hatching mean: one swatch per layer drawn, the root unit, and the three looks."""
+    from matplotlib.patches import Patch
+
+    layers = sorted({int(m.group(1)) for label in labels if (m := re.search(r"layers\.(\d+)", label))})
+    handles = [Patch(facecolor=_colour(f"layers.{i}"), label=f"layer {i}") for i in layers]
+    if any(not re.search(r"layers\.\d+", label) for label in labels):
+        handles.append(Patch(facecolor=_colour(""), label="root unit / other"))
+    handles += [Patch(facecolor="white", edgecolor="none", label="solid: forward compute"),
+                Patch(facecolor="white", edgecolor="black", hatch="//", label="hatched: backward, reduce-scatter"),
+                Patch(facecolor="white", edgecolor="black", label="outlined: a collective")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

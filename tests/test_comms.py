@@ -160,10 +160,23 @@ def test_bytes_checker(steps):
     from fsdplab.exercises import check
 
     p = steps["ddp"]["param_bytes"]
-    measured = sum(r["sent_bytes"] for r in _collectives(steps["full_shard"]))
-    assert check("02-bytes", 3 * (2 - 1) / 2 * p, measured=measured).ok
-    wrong = check("02-bytes", 0.6 * 2 * (2 - 1) / 2 * p, measured=measured)   # the posts' 0.6 x DDP
-    assert not wrong.ok and "Hint" in wrong.message
+    # N=2 counted on the ranks; a group of one rank sends nothing (lesson 02 counts that too)
+    measured = {1: 0.0, 2: sum(r["sent_bytes"] for r in _collectives(steps["full_shard"]))}
+    assert check("02-bytes", lambda P, N: 3 * P * (N - 1) / N, measured=measured, param_bytes=p).ok
+    # what a learner writes instead: right at N=2 only, DDP's bytes, the posts' 0.6 x DDP, a number, a string
+    for wrong in (lambda P, N: 3 * P / N, lambda P, N: 1.5 * P, lambda P, N: 2 * P * (N - 1) / N,
+                  lambda P, N: 0.6 * 2 * P * (N - 1) / N, lambda P: 3 * P, 1.5 * p, "3*P*(N-1)/N", None, True):
+        verdict = check("02-bytes", wrong, measured=measured, param_bytes=p)
+        assert not verdict.ok, wrong
+    assert "at N=1" in check("02-bytes", lambda P, N: 3 * P / N, measured=measured, param_bytes=p).message
+
+
+def test_live_blocks_checker():
+    from fsdplab.exercises import check
+
+    assert check("02-live-blocks", 4, measured=4, prefetch=3, num_layers=4).ok
+    for wrong in (3, 5, 2, True, "4", 4.5, float("nan")):    # prefetch alone, prefetch + 2, the backward count
+        assert not check("02-live-blocks", wrong, measured=4, prefetch=3, num_layers=4).ok, wrong
 
 
 def test_bad_prefetch_depth():

@@ -111,13 +111,33 @@ def claim6_verdict(backward_units: int, gains, claim=CLAIM6_GAIN) -> str:
 # --- exercises ------------------------------------------------------------------------------------------
 
 @exercise("02-bytes")
-def _bytes(answer, *, measured, strategy="full_shard"):
-    """Bytes one rank sends per step (ring model) for `strategy`, against the counter's measurement."""
-    return close(answer, measured, rel=0.01, unit=" B",
-                 hint="one all-gather of every unit in forward, one more in backward (FULL_SHARD frees them "
-                      "after forward), one reduce-scatter of the gradients; each moves (N-1)/N of the full "
-                      "fp32 tensor per rank.")
+def _bytes(answer, *, measured: dict, param_bytes: int):
+    """The bytes one rank sends per FULL_SHARD step (ring model) as a formula `answer(P, N)`, checked at every
+    group size N the lesson measured (`measured`: N -> counted bytes): one number fits many wrong formulas."""
+    hint = ("one all-gather of every unit in forward, one more in backward (FULL_SHARD frees them after forward), "
+            "one reduce-scatter of the gradients; each moves (N-1)/N of the full fp32 tensor per rank.")
+    if not callable(answer):
+        return False, (f"expected a formula of P and N, such as lambda P, N: 2 * P, got {answer!r}: one number "
+                       f"cannot be checked at every group size.")
+    for n, counted in sorted(measured.items()):
+        try:
+            value = float(answer(param_bytes, n))
+        except Exception as err:  # noqa: BLE001 - the learner's code: say what it raised
+            return False, f"your formula raised {type(err).__name__}: {err} at P={param_bytes}, N={n}."
+        if not abs(value - counted) <= 0.01 * max(counted, 1.0):
+            return False, (f"at N={n} your formula gives {value:,.0f} B, the ranks sent {counted:,.0f} B. Hint: {hint}")
+    return True, f"your formula matches the counted bytes at N = {', '.join(map(str, sorted(measured)))}."
 
+
+@exercise("02-live-blocks")
+def _live_blocks(answer, *, measured: int, prefetch: int, num_layers: int):
+    """Blocks unsharded at once at the forward peak with explicit prefetch `prefetch`, as re-measured."""
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not float(answer).is_integer():
+        return False, f"expected a whole number of blocks, got {answer!r}."
+    if int(answer) == measured:
+        return True, f"{int(answer)} blocks, as the counter saw with prefetch={prefetch}."
+    return False, (f"{answer} is {'too many' if answer > measured else 'too few'}. Hint: the block computing, plus "
+                   f"the ones its forward prefetch list asked for, but never more than the {num_layers} blocks there are.")
 
 
 # --- the sharded data-parallel step, written by the learner -----------------------------------------------
