@@ -56,8 +56,9 @@ class GPU:
 
 
 GPUS = {
-    "A10": GPU("A10", 24, 600e9, 125e12, "PCIe 4.0 x16"),
-    "A100-80GB": GPU("A100-80GB", 80, 2.0e12, 312e12, "PCIe 4.0 x16"),
+    # usable memory as nvidia-smi reports it: an A10 shows 23,028 MiB, not the data sheet's 24 GB
+    "A10": GPU("A10", 23_028 / 1024, 600e9, 125e12, "PCIe 4.0 x16"),
+    "A100-80GB": GPU("A100-80GB", 80, 2.039e12, 312e12, "PCIe 4.0 x16"),   # SXM; the PCIe card has 1,935 GB/s
     "H100-SXM": GPU("H100-SXM", 80, 3.35e12, 989e12, "PCIe 5.0 x16"),
 }
 
