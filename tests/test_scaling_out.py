@@ -37,8 +37,10 @@ def test_placements_and_rows_in_words():
 def test_claim19_verdicts_are_computed():
     backends = S.process_group_backends()
     assert "gloo" in backends and "undefined" not in backends and "fake" not in backends
-    assert S.ucx_verdict(backends).startswith("WRONG")
-    assert S.ucx_verdict(backends + ["ucx"]).startswith("RIGHT")
+    assert S.ucx_verdict([b for b in backends if b != "ucc"], False).startswith("WRONG")
+    with_ucc = S.ucx_verdict(sorted(set(backends) | {"ucc"}), False)
+    assert with_ucc.startswith("PARTLY") and "not built into this torch" in with_ucc
+    assert "built into this torch" in S.ucx_verdict(sorted(set(backends) | {"ucc"}), True)
     wrong = S.ethernet_verdict((10, 25), (1.25, 3.125))
     assert wrong.startswith("WRONG") and "8x too high" in wrong
     assert S.ethernet_verdict((1.25, 3.125), (1.25, 3.125)).startswith("RIGHT")
@@ -65,6 +67,9 @@ def test_hsdp_inter_checker_right_and_wrong(cluster):
     wrong = check("07-hsdp-inter", 4.5, measured=measured)                     # FULL_SHARD's figure on 2 x 2
     assert not wrong and "Hint" in wrong.message
     assert not check("07-hsdp-inter", ..., measured=measured)
+    # FULL_SHARD's, one node's share, bytes instead of units of P, a bool, text
+    for answer in (4.5, (nodes - 1), 2 * (nodes - 1) * hsdp[0]["param_bytes"], True, "2", float("nan")):
+        assert not check("07-hsdp-inter", answer, measured=measured), answer
 
 
 def test_real_nodes_cluster_options():

@@ -291,13 +291,17 @@ def process_group_backends() -> list:
     return [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
 
 
-def ucx_verdict(backends: list) -> str:
-    """'Use a UCX+NCCL joint backend', from the installed torch's list of backends."""
+def ucx_verdict(backends: list, ucc_built: bool) -> str:
+    """'Use a UCX+NCCL joint backend', tested as a claim, not as a name: torch's `ucc` backend is UCC, the
+    collective library of the UCX project (Unified Communication Framework), which can run NCCL underneath
+    (its NCCL transport layer). `backends`: the names torch knows; `ucc_built`: torch.distributed.is_ucc_available()."""
     listed = ", ".join(backends)
-    if any("ucx" in b.lower() for b in backends):
-        return f"RIGHT: torch.distributed has a UCX backend ({listed})"
-    return (f"WRONG: torch.distributed has no UCX backend ({listed}); NCCL drives InfiniBand itself, and a "
-            "per-device mix is written 'cpu:gloo,cuda:nccl'")
+    if "ucc" not in backends:
+        return (f"WRONG: this torch knows no UCX-based backend ({listed}); NCCL drives InfiniBand itself, and a "
+                "per-device mix is written 'cpu:gloo,cuda:nccl'")
+    built = "built into this torch" if ucc_built else "not built into this torch (a build option)"
+    return (f"PARTLY: no backend has that name, but 'ucc' (UCX's collective library, {built}) can run NCCL "
+            f"underneath; it is optional, since NCCL drives InfiniBand itself (backends: {listed})")
 
 
 def ethernet_verdict(claimed_gbps: tuple, line_rate_gbps: tuple) -> str:
