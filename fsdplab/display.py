@@ -78,7 +78,7 @@ def _gpu_line(ax, labels, bottoms, gpu_mem_gib, card, highlight):
     if tallest and card > 10 * tallest:
         # A line ten times above every bar would flatten them: name the card instead of drawing it.
         ax.set_ylim(0, 1.15 * tallest)   # room for the note above the tallest bar
-        ax.text(0.99, 0.98, f"{gpu_mem_gib:g} GiB GPU: {card / tallest:,.0f}x the tallest bar",
+        ax.text(0.99, 0.98, f"{gpu_mem_gib:.4g} GiB GPU: {card / tallest:,.0f}x the tallest bar",
                 transform=ax.transAxes, ha="right", va="top", fontsize=8)
         return
     # Bars far above the line are clipped and labelled with their height.
@@ -90,7 +90,9 @@ def _gpu_line(ax, labels, bottoms, gpu_mem_gib, card, highlight):
                 ax.text(x, top * 0.97, f"{height:.0f}", ha="center", va="top", fontsize=8, color="white",
                         fontweight="bold")
     ax.axhline(card, color="black", linestyle="--", linewidth=1)
-    ax.text(len(labels) - 0.5, card, f" {gpu_mem_gib:g} GiB GPU", va="bottom", ha="right", fontsize=8)
+    # inside the plot, clear of the right spine (x in axes units, y in data units), over whatever it crosses
+    ax.text(0.985, card, f"{gpu_mem_gib:.4g} GiB GPU", transform=ax.get_yaxis_transform(), va="bottom", ha="right",
+            fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
 
 
 def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24.0):

@@ -44,6 +44,12 @@ def test_shard_gib_checker():
     report = formula(Q.POSTS_SETTING)                                   # has the same resident shards as estimate
     assert check("06-shard-gib", report.resident["parameters"] / GIB, report=report)
     assert not check("06-shard-gib", 4 * PARAM_COUNTS["qwen-7b"] / GIB, report=report)     # forgot to shard
+    sixteen = formula(Q.setting(world_size=16))                          # what the lesson's exercise recomputes
+    right = sixteen.resident["parameters"] / GIB
+    assert check("06-shard-gib", right, report=sixteen)
+    # the 8-rank figure, fp16 bytes, GB for GiB, the adapters only, a bool, text
+    for answer in (report.resident["parameters"] / GIB, right / 2, right * GIB / 1e9, 0.1, True, "1.8"):
+        assert not check("06-shard-gib", answer, report=sixteen), answer
 
 
 def reports(*gib):

@@ -9,7 +9,7 @@ import math
 
 from ..exercises import close, exercise
 from ..settings import GIB, TrainSetting, check_choice, PRECISIONS
-from .posts import POSTS_BAND_GIB, POSTS_SETTING
+from .posts import A10_GIB, POSTS_BAND_GIB, POSTS_SETTING
 
 
 
@@ -86,7 +86,7 @@ def formula_grid(seq_lens, batch_sizes, base: TrainSetting = POSTS_SETTING) -> l
     return [[formula(base, seq_len=s, batch_size=b).peak_bytes / GIB for s in seq_lens] for b in batch_sizes]
 
 
-def draw_breakdown(ax, labels, reports, extras=None, gpu_gib=24.0, band=POSTS_BAND_GIB):
+def draw_breakdown(ax, labels, reports, extras=None, gpu_gib=A10_GIB, band=POSTS_BAND_GIB):
     """Stacked bars (GiB) of each report's categories with FSDP1's frozen-weight gradients on top, the posts'
     band and the card's size as horizontal lines."""
     from ..display import draw_stacked
@@ -95,7 +95,7 @@ def draw_breakdown(ax, labels, reports, extras=None, gpu_gib=24.0, band=POSTS_BA
     if band:
         ax.axhspan(*band, color="gold", alpha=0.3, label=f"posts: {band[0]:g}-{band[1]:g} GB per card")
     if gpu_gib:
-        ax.axhline(gpu_gib, color="black", linestyle="--", linewidth=1, label=f"A10: {gpu_gib:g} GiB")
+        ax.axhline(gpu_gib, color="black", linestyle="--", linewidth=1, label=f"A10: {gpu_gib:.2f} GiB")
     ax.set_ylabel("peak memory per GPU (GiB)")
     return bottoms
 
@@ -160,7 +160,7 @@ def fsdp1_frozen_gradients(setting: TrainSetting = POSTS_SETTING, *, model_dtype
 
 # --- the dashboard ---------------------------------------------------------------------------------------------
 
-def lora_dashboard(gpu_gib: float = 24.0, **start):
+def lora_dashboard(gpu_gib: float = A10_GIB, **start):
     """Knobs of the posts' setup -> per-GPU breakdown (formula, instant) and "fits / does not fit" on an
     A10; the button runs the exact estimate for the current knobs (10-60 s) and marks it on the bar."""
     import ipywidgets as W
@@ -227,7 +227,7 @@ def lora_dashboard(gpu_gib: float = 24.0, **start):
 
 # --- verdicts ------------------------------------------------------------------------------------------------
 
-def claim15_word(full_reports, gpu_gib: float = 24.0) -> str:
+def claim15_word(full_reports, gpu_gib: float = A10_GIB) -> str:
     """The verdict word of claim 15 ("the A10s are consumer GPUs, and sharding is why a 7B model fits") from the
     exact full fine-tune reports [no checkpointing, with]. The first half is wrong whatever is measured (the A10
     is a datacenter card), so the claim is at best "partly" right: when a sharded full fine-tune fits in some
@@ -252,7 +252,7 @@ def claim16_verdict(posts_gib: float, fsdp1_gib: dict, band=POSTS_BAND_GIB, sour
             "looked at lands in the band with FSDP1 either.")
 
 
-def draw_full_finetune(ax, full_reports, lora_report=None, gpu_gib: float = 24.0):
+def draw_full_finetune(ax, full_reports, lora_report=None, gpu_gib: float = A10_GIB):
     """Claim 15 in one picture: exact per-GPU peaks by category of a full fine-tune of Qwen-7B on 8 ranks
     without and with activation checkpointing (and the posts' LoRA run when given) against the card."""
     from ..display import draw_stacked
@@ -266,7 +266,7 @@ def draw_full_finetune(ax, full_reports, lora_report=None, gpu_gib: float = 24.0
     for x, height in enumerate(bottoms):
         ax.text(x, height, f"{height:.1f}", ha="center", va="bottom", fontsize=9, fontweight="bold")
     ax.set_ylim(0, max(max(bottoms), gpu_gib) * 1.15)
-    ax.set_title(f"Qwen-7B on 8 GPUs, exact per-GPU peak (GiB) against a {gpu_gib:g} GiB A10", fontsize=10)
+    ax.set_title(f"Qwen-7B on 8 GPUs, exact per-GPU peak (GiB) against an A10's {gpu_gib:.2f} GiB", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return bottoms
 
