@@ -255,12 +255,21 @@ def exact_in_background(dash, button, setting, done, wait: bool = False):
 
     result: dict = {}
 
+    import time
+
+    start = time.monotonic()
+    lines = [f"exact estimate of {setting.model_name} on {setting.world_size} ranks (fake tensors) ..."]
+
+    def progress(line):
+        # the estimate's stages, as it reports them: built on meta, sharded + two steps running, the peak
+        done = 3 if line.startswith(("peak", "reused")) else 2 if "sharded" in line else 1 if "built" in line else 0
+        bar = "#" * (8 * done) + "." * (8 * (3 - done))
+        dash.say(f"{lines[0]}\n[{bar}] stage {done} of 3, {time.monotonic() - start:.0f} s: {line}")
+
     def work():
-        lines = [f"exact estimate of {setting.model_name} on {setting.world_size} ranks (fake tensors) ..."]
-        dash.say(lines[0])
+        progress("starting")
         try:
-            result["report"] = estimate(setting, subprocess_mode=True,
-                                        progress=lambda line: dash.say("\n".join(lines + [line])))
+            result["report"] = estimate(setting, subprocess_mode=True, progress=progress)
             done(result["report"])
         except Exception as e:  # noqa: BLE001 - shown in the dashboard; the notebook must not see a thread die
             result["error"] = e
@@ -285,7 +294,7 @@ def _with(options: list, value) -> list:
 
 
 def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", precision="bf16", optimizer="adamw",
-                     activation_checkpointing=False, lora_rank=0, seq_len=2048, gpu_mem_gib=24):
+                     activation_checkpointing=False, lora_rank=0, seq_len=2048, gpu_mem_gib=22.49):
     """Controls -> per-GPU memory of every strategy from `formula`, the chosen one outlined, against a GPU-size
     line. The "exact" button runs `estimate` (FSDP strategies) for the current setting and marks it."""
     import ipywidgets as W
@@ -294,18 +303,19 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     from .models import MODELS
     from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS, STRATEGIES, TrainSetting
 
+    wide = {"description_width": "initial"}    # a label as long as it needs, never cut to "LoRA r (0:..."
     slider = lambda stops, value, label: W.SelectionSlider(options=_with(stops, value), value=value,  # noqa: E731
-                                                           description=label)
+                                                           description=label, style=wide)
     controls = {
-        "model": W.Dropdown(options=list(MODELS), value=model, description="model"),   # every registered model
+        "model": W.Dropdown(options=list(MODELS), value=model, description="model", style=wide),   # every registered model
         "world_size": slider([1, 2, 4, 8, 16, 32, 64], world_size, "GPUs"),
-        "strategy": W.Dropdown(options=STRATEGIES, value=strategy, description="strategy"),
-        "precision": W.Dropdown(options=PRECISIONS, value=precision, description="precision"),
-        "optimizer": W.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer"),
-        "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing"),
+        "strategy": W.Dropdown(options=STRATEGIES, value=strategy, description="strategy", style=wide),
+        "precision": W.Dropdown(options=PRECISIONS, value=precision, description="precision", style=wide),
+        "optimizer": W.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer", style=wide),
+        "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing", style=wide),
         "lora_rank": slider([0, 8, 16, 32, 64, 128], lora_rank, "LoRA r (0: full)"),
         "seq_len": slider([64, 128, 256, 512, 1024, 2048, 4096, 8192], seq_len, "seq len"),
-        "gpu_mem_gib": slider([16, 24, 40, 48, 80, 141], gpu_mem_gib, "GPU GiB"),
+        "gpu_mem_gib": slider([16, 22.49, 40, 48, 80, 141], gpu_mem_gib, "GPU GiB (A10: 22.49)"),
     }
     exact: dict = {}
 
@@ -323,7 +333,12 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
         found = exact.get(chosen)
         # the unit follows the bars: a tiny model's MiB would be invisible on a GiB axis
         unit, unit_name = unit_of([r.peak_bytes for r in reports] + [found.peak_bytes if found else None])
-        draw_stacked(ax, list(STRATEGIES), reports, gpu_mem_gib, highlight=index, unit=unit, unit_name=unit_name)
+        heights = draw_stacked(ax, list(STRATEGIES), reports, gpu_mem_gib, highlight=index, unit=unit,
+                               unit_name=unit_name)
+        top = ax.get_ylim()[1]
+        for x, height in enumerate(heights):      # the number on each bar (inside the plot when clipped)
+            ax.text(x, min(height, top * 0.97), f"{height:.1f}", ha="center", va="bottom" if height < top * 0.9
+                    else "top", fontsize=7)
         if found is not None:
             exact_marker(ax, index, found.peak_bytes / unit)
         lora = f"LoRA r={chosen.lora_rank}" if chosen.lora_rank else "full fine-tune"

@@ -94,3 +94,31 @@ def test_draw_stacked_keeps_clipping_bars_far_above_the_line():
     assert ax.get_ylim()[1] < heights[0] and any(t.get_text() == f"{heights[0]:.0f}" for t in ax.texts)
     assert heights == pytest.approx([r.peak_bytes / GIB for r in reports])
     plt.close(fig)
+
+
+def test_dashboard_labels_are_whole_and_bars_carry_their_numbers():
+    dash = D.memory_dashboard(model="qwen-7b", world_size=8, lora_rank=64, gpu_mem_gib=22.49)
+    assert all(c.style.description_width == "initial" for c in dash.controls.values()
+               if hasattr(c.style, "description_width")), "a label may be cut"
+    heights = [r.peak_bytes / D.GIB for r in dash.result["reports"].values()]
+    shown = {t.get_text() for t in dash.figure.axes[0].texts}
+    assert all(f"{h:.1f}" in shown for h in heights), (heights, shown)
+
+
+def test_the_exact_button_shows_its_stages_as_a_bar(monkeypatch):
+    from fsdplab import memory
+
+    said, real_estimate = [], memory.estimate
+    dash = D.memory_dashboard(model="tiny", world_size=2, seq_len=64, gpu_mem_gib=16)
+    monkeypatch.setattr(dash, "say", said.append)
+
+    def fake_estimate(setting, subprocess_mode=False, progress=None):
+        for line in ("model built on the meta device", "sharded; running two training steps", "peak 3.7 MiB"):
+            progress(line)
+        return real_estimate(setting, progress=False, subprocess_mode=False)
+
+    monkeypatch.setattr(memory, "estimate", fake_estimate)
+    dash.exact(wait=True)
+    bars = [line for line in said if "stage" in line]
+    assert [b.split("stage ")[1][:1] for b in bars] == ["0", "1", "2", "3"], bars
+    assert "[########################]" in bars[-1]
