@@ -336,6 +336,10 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
         heights = draw_stacked(ax, list(STRATEGIES), reports, gpu_mem_gib, highlight=index, unit=unit,
                                unit_name=unit_name)
         top = ax.get_ylim()[1]
+        if max(heights) <= top:                   # nothing clipped: room above the tallest bar for its number
+            card = gpu_mem_gib * GIB / unit if gpu_mem_gib else 0
+            top = 1.12 * max(max(heights), card if card <= 10 * max(heights) else 0)   # a far card is not drawn
+            ax.set_ylim(0, top)
         for x, height in enumerate(heights):      # the number on each bar (inside the plot when clipped)
             ax.text(x, min(height, top * 0.97), f"{height:.1f}", ha="center", va="bottom" if height < top * 0.9
                     else "top", fontsize=7)
