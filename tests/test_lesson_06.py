@@ -11,7 +11,7 @@ import pytest
 
 from fsdplab.exercises import check
 from fsdplab.formula import formula
-from fsdplab.lessons import qwen7b_lora as Q
+from fsdplab.lessons import full_finetune as F, qwen7b_lora as Q
 from fsdplab.lessons.full_finetune import full_finetune_settings
 from fsdplab.models import PARAM_COUNTS, hf_config
 from fsdplab.settings import GIB
@@ -57,8 +57,8 @@ def reports(*gib):
 
 
 def test_claim15_word():
-    assert Q.claim15_word(reports(28.4, 20.8), 24) == "partly"
-    assert Q.claim15_word(reports(40, 30), 24) == "wrong"
+    assert F.claim15_word(reports(28.4, 20.8), 24) == "partly"
+    assert F.claim15_word(reports(40, 30), 24) == "wrong"
 
 
 def test_claim16_verdict_is_computed():
