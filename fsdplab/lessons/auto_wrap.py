@@ -66,29 +66,10 @@ def policy_units(model: nn.Module, policy) -> list:
 
 def qwen_v1_meta(config=None) -> nn.Module:
     """Qwen-7B v1 as its own modeling code lays it out (the posts' model), on the meta device: per block ONE
-    fused `attn.c_attn` (q, k and v together), `attn.c_proj`, `mlp.w1`, `mlp.w2`, `mlp.c_proj`, then the
-    embedding `wte`, `ln_f` and `lm_head`. The lab's Qwen2 classes split c_attn into q/k/v: more units at 1e7."""
-    import torch
+    fused `attn.c_attn` (q, k and v together). The lab's Qwen2 classes split c_attn into q/k/v: more units at 1e7."""
+    from ..models import qwen_v1_model
 
-    from ..models import hf_config
-
-    c = config or hf_config("qwen-7b")
-    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
-
-    def named(**children):
-        module = nn.Module()
-        for name, child in children.items():
-            module.add_module(name, child)
-        return module
-
-    with torch.device("meta"):
-        blocks = nn.ModuleList(
-            named(ln_1=nn.RMSNorm(h), attn=named(c_attn=nn.Linear(h, 3 * h), c_proj=nn.Linear(h, h, bias=False)),
-                  ln_2=nn.RMSNorm(h), mlp=named(w1=nn.Linear(h, i, bias=False), w2=nn.Linear(h, i, bias=False),
-                                                c_proj=nn.Linear(i, h, bias=False)))
-            for _ in range(c.num_hidden_layers))
-        return named(transformer=named(wte=nn.Embedding(v, h), h=blocks, ln_f=nn.RMSNorm(h)),
-                     lm_head=nn.Linear(h, v, bias=False))
+    return qwen_v1_model(config)
 
 
 def block_units(model: nn.Module) -> list:

@@ -34,31 +34,6 @@ def setting(**changes) -> TrainSetting:
 
 # --- Qwen-7B v1 as its own code lays it out --------------------------------------------------------------
 
-def qwen_v1_layer(config=None):
-    """One decoder layer of Qwen-7B v1 with the names of its own modeling code (QWenBlock), on the meta device:
-    q, k and v in ONE fused Linear `attn.c_attn` (hidden -> 3 x hidden, with bias), `attn.c_proj`, and the
-    SwiGLU MLP `mlp.w1`, `mlp.w2` (hidden -> intermediate) and `mlp.c_proj`. The lab builds Qwen-7B with
-    transformers' Qwen2 classes, which hold the same weights as three separate q/k/v projections."""
-    import torch
-    from torch import nn
-
-    from ..models import hf_config
-
-    c = config or hf_config("qwen-7b")
-    h, i = c.hidden_size, c.intermediate_size
-
-    def named(**modules):
-        module = nn.Module()
-        for name, child in modules.items():
-            module.add_module(name, child)
-        return module
-
-    with torch.device("meta"):
-        return named(ln_1=nn.RMSNorm(h), attn=named(c_attn=nn.Linear(h, 3 * h), c_proj=nn.Linear(h, h, bias=False)),
-                     ln_2=nn.RMSNorm(h), mlp=named(w1=nn.Linear(h, i, bias=False), w2=nn.Linear(h, i, bias=False),
-                                                   c_proj=nn.Linear(i, h, bias=False)))
-
-
 # The LoRA targets of Qwen's own fine-tuning script: every Linear of a layer (the LM head is not one of them).
 QWEN_V1_LORA_TARGETS = ["c_attn", "c_proj", "w1", "w2"]
 
@@ -71,6 +46,8 @@ def qwen_v1_counts(rank: int = 64, config=None) -> dict:
     from ..models import hf_config
 
     c = config or hf_config("qwen-7b")
+    from ..models import qwen_v1_layer
+
     layer = qwen_v1_layer(c)
     per_layer = sum(p.numel() for p in layer.parameters())
     adapted = get_peft_model(layer, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=QWEN_V1_LORA_TARGETS))
