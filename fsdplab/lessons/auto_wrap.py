@@ -99,10 +99,11 @@ def fsdp1_unit_count(config, min_num_params: float) -> dict:
 
 
 def collectives_per_step(config, layout: str = "policy", min_num_params: float = 0, *, batch_size: int = 2,
-                         seq_len: int = 32) -> dict:
+                         seq_len: int = 32, shard=None) -> dict:
     """Runs on every rank: FSDP2 with one unit per module `policy_units` picks ('policy', at
     `min_num_params`) or per block ('blocks'); one counted training step. Returns the units, the all-gathers
-    and reduce-scatters launched, and the largest all-gather (bytes)."""
+    and reduce-scatters launched, and the largest all-gather (bytes). `shard(model, units)` applies FSDP2
+    (lesson 08 writes it in a cell; default: `sharding.apply_fsdp`)."""
     from ..comms import CommCounter
     from ..dist import device, mesh, this_rank
     from ..sharding import apply_fsdp, make_optimizer, train_step
@@ -113,7 +114,12 @@ def collectives_per_step(config, layout: str = "policy", min_num_params: float =
         modules = [model.get_submodule(name) for name in names]
     else:
         modules = None   # apply_fsdp's default: the blocks
-    apply_fsdp(model, mesh(), blocks=modules)
+    if shard is None:
+        apply_fsdp(model, mesh(), blocks=modules)
+    else:
+        from ..models import blocks_of
+
+        shard(model, modules if modules is not None else blocks_of(model))
     optimizer = make_optimizer(model, "adamw")
     batch = token_batch(config, batch_size, seq_len, seed=this_rank())
     with CommCounter() as counter:
