@@ -4,4 +4,5 @@ package proper; these modules run experiments and draw figures that only their l
 # Each lesson's module, by the number its notebook's name starts with (notebooks/03_cpu_offload.ipynb is lesson
 # 03). A notebook may import other lessons' modules too; this is the one named after its own lesson.
 MODULES = {"00": "start_here", "01": "sharding_math", "02": "prefetch", "03": "cpu_offload", "04": "mixed_precision",
-           "05": "checkpoints", "06": "qwen7b_lora", "07": "scaling_out", "08": "activation_checkpointing"}
+           "05": "checkpoints", "06": "qwen7b_lora", "07": "scaling_out", "08": "activation_checkpointing",
+           "09": "training_loop"}

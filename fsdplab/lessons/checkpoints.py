@@ -7,34 +7,18 @@ reshards a checkpoint, and the lesson's exercise checker.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from .. import safe_files
 from ..exercises import close, exercise
 
 
 def lesson_folder(checkpoint_dir: str = "") -> tuple:
-    """(folder, keep): where the lesson writes its checkpoints, never next to the notebooks.
-
-    `checkpoint_dir` given: that folder, wiped first and kept (a relative path lies under the run's output
-    folder, FSDPLAB_OUT, which `fsdplab run` sets, else under the temporary folder). Not given: a new
-    `05_checkpoints` folder in FSDPLAB_OUT, kept with the run's other outputs, else a new temporary folder that
-    the lesson deletes at the end (keep False)."""
-    out = os.environ.get("FSDPLAB_OUT")
-    if not checkpoint_dir and not out:
-        return Path(tempfile.mkdtemp(prefix="fsdplab-05-")).resolve(), False
-    folder = Path(checkpoint_dir or "05_checkpoints")
-    if not folder.is_absolute():
-        folder = Path(out or tempfile.gettempdir()) / folder
-    folder = folder.resolve()     # absolute: the ranks' working folder may differ
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    return folder, True
+    """(folder, keep): where the lesson writes its checkpoints (`fsdplab.safe_files.lesson_folder`)."""
+    return safe_files.lesson_folder(checkpoint_dir, "05_checkpoints")
 
 
 class ReadCounter(FileSystemReader):

@@ -1,0 +1,255 @@
+"""Lesson 09 (the first-day FSDP2 training loop) only: what the lesson's cells need beyond torch itself.
+
+- `LiveBytes`: the peak of tensor bytes a rank holds over a block of code (every storage a plain tensor op
+  allocates, counted until it is freed): exact on CPU ranks, no allocator involved;
+- `init_weights`: a seeded initialisation that gives a sharded model the very weights one process gets;
+- `weight_health` / `looks_uninitialized`: what `to_empty` without an init leaves behind;
+- `shard_agreement`: how much of each rank's shard equals a single-process reference;
+- `global_batch`, `split_batch`: the global batches of every step, split per rank and micro-batch;
+- `grad_gap`: how far this rank's gradient rows are from a single-process reference's;
+- `param_bytes`: parameter bytes of a model at its real size on the meta device (full, and one rank's shard
+  with FSDP's padding): the 7B numbers of sections 1 and 3;
+- the exercise checkers.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..exercises import close, exercise
+
+
+# --- memory: live tensor bytes --------------------------------------------------------------------------
+
+class LiveBytes(TorchDispatchMode):
+    """`with LiveBytes() as live: ...`: `live.peak` is the largest number of tensor bytes allocated inside the
+    block and alive at once; `live.now` what is still alive at the end. Storages made before the block
+    do not count (start it before the model exists to count the model). Tensor subclasses (DTensor) are
+    seen through the plain tensors they hold. A storage resized in place (FSDP2 frees its all-gather buffers
+    with `untyped_storage().resize_(0)` and grows them again for the next all-gather) counts at its new size."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self._alive: dict = {}      # id of a storage -> bytes counted for it
+
+    def __enter__(self):
+        original = self._original_resize = torch.UntypedStorage.resize_
+        live = self
+
+        def resize(storage, size):
+            key = id(storage)
+            if key in live._alive:
+                live._count(key, size - live._alive[key])
+            result = original(storage, size)
+            return result
+
+        torch.UntypedStorage.resize_ = resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+    def _count(self, key, delta):
+        self._alive[key] += delta
+        self.now += delta
+        self.peak = max(self.peak, self.now)
+
+    def _freed(self, key):
+        self.now -= self._alive.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in self._alive or storage.nbytes() == 0:
+                continue
+            self._alive[key] = 0
+            self._count(key, storage.nbytes())
+            weakref.finalize(storage, self._freed, key)
+        return out
+
+
+# --- initialisation ----------------------------------------------------------------------------------------
+
+def _full_init(name: str, shape, seed: int, index: int) -> torch.Tensor:
+    """The full tensor of parameter `name`: norms 1, biases 0, every other weight N(0, 0.02) from a
+    generator seeded by (seed, index), so that it does not depend on which rank asks or on anything drawn
+    before."""
+    if "norm" in name and name.endswith("weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.randn(shape, generator=generator) * 0.02
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Initialise every parameter of `model`, sharded (FSDP2 DTensors) or not, to the same values: each full
+    tensor is drawn on the rank from its own seeded generator and the rank keeps its own rows. One full
+    tensor at a time, so the extra memory is the largest tensor, not the model."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for index, (name, param) in enumerate(model.named_parameters()):
+        full = _full_init(name, param.shape, seed, index).to(param.dtype)
+        if isinstance(param, DTensor):
+            mine = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(mine.to_local())
+        else:
+            param.copy_(full)
+    return model
+
+
+@torch.no_grad()
+def weight_health(model: nn.Module) -> dict:
+    """What this rank holds: elements, NaN/inf count, the largest finite |value|, the fraction of exact zeros."""
+    from torch.distributed.tensor import DTensor
+
+    count = bad = zeros = 0
+    largest = 0.0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if local.numel() == 0:
+            continue
+        count += local.numel()
+        bad += int((~torch.isfinite(local)).sum())
+        zeros += int((local == 0).sum())
+        finite = local[torch.isfinite(local)]
+        if finite.numel():
+            largest = max(largest, float(finite.abs().max()))
+    return {"elements": count, "not_finite": bad, "max_abs": largest, "zero_fraction": zeros / max(count, 1)}
+
+
+def looks_uninitialized(health: dict, limit: float = 1e3) -> bool:
+    """True for weights no initialiser makes: NaN/inf, values above `limit` (an init draws |w| < 10), or
+    mostly exact zeros (fresh pages from the system: only biases start at 0, a few percent of a model)."""
+    return health["not_finite"] > 0 or health["max_abs"] > limit or health["zero_fraction"] > 0.5
+
+
+@torch.no_grad()
+def shard_agreement(model: nn.Module, reference: nn.Module) -> dict:
+    """For each parameter of the sharded `model`: the fraction of this rank's elements equal to the same rows
+    of `reference` (a plain model with the full weights, the same on every rank). No collective: the rank
+    cuts its rows out of the reference itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    ref = dict(reference.named_parameters())
+    out = {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            expected = distribute_tensor(ref[name].detach().to(local.device), param.device_mesh, param.placements,
+                                         src_data_rank=None).to_local()
+        else:
+            local, expected = param, ref[name]
+        out[name] = 1.0 if local.numel() == 0 else float((local == expected).float().mean())
+    return out
+
+
+@torch.no_grad()
+def grad_gap(model: nn.Module, reference: nn.Module) -> float:
+    """||g - g_ref|| / ||g_ref|| over this rank's rows of every gradient (sharded `model` against a plain
+    `reference` holding the full gradients): 0 when the rank holds exactly the single-process gradients."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    ref = dict(reference.named_parameters())
+    diff = norm = 0.0
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            local = grad.to_local()
+            expected = distribute_tensor(ref[name].grad.to(local.device), grad.device_mesh, grad.placements,
+                                         src_data_rank=None).to_local()
+        else:
+            local, expected = grad, ref[name].grad
+        diff += float((local.double() - expected.double()).pow(2).sum())
+        norm += float(expected.double().pow(2).sum())
+    return math.sqrt(diff / norm) if norm else 0.0
+
+
+# --- data ----------------------------------------------------------------------------------------------------
+
+def global_batch(cfg, step: int, size: int, seed: int = 0):
+    """(tokens, targets) of optimizer step `step`: `size` sequences, the same on every rank and in one process."""
+    from ..models import random_batch
+
+    return random_batch(cfg, batch_size=size, seed=seed * 10_007 + step)
+
+
+def split_batch(batch, rank: int, world_size: int, k: int, device="cpu") -> list:
+    """This rank's `k` micro-batches of a global batch, on `device`: rank r takes rows r, r + N, r + 2N, ...
+    (a strided split, as DistributedSampler without shuffling), then cuts them into k equal micro-batches."""
+    tokens, targets = (t.to(device) for t in batch)
+    mine = slice(rank, None, world_size)
+    tokens, targets = tokens[mine], targets[mine]
+    if len(tokens) % k:
+        raise ValueError(f"{len(tokens)} sequences per rank do not split into {k} micro-batches: make the global "
+                         f"batch a multiple of world_size x micro_batches = {world_size * k}.")
+    return list(zip(tokens.chunk(k), targets.chunk(k)))
+
+
+def cross_entropy(model, tokens, targets) -> torch.Tensor:
+    """Mean next-token loss over the micro-batch (logits in fp32)."""
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def overlap(a: list, b: list) -> float:
+    """Fraction of a's samples that b also draws."""
+    return len(set(a) & set(b)) / max(len(set(a)), 1)
+
+
+# --- sizes at full scale, on the meta device ---------------------------------------------------------------
+
+def tiny_model() -> nn.Module:
+    """The lesson's tiny twin (fsdplab.models.TinyTransformer at its defaults), on the CPU."""
+    from ..models import TinyConfig, TinyTransformer
+
+    return TinyTransformer(TinyConfig())
+
+
+def param_bytes_of(model: nn.Module, world_size: int, dtype_bytes: int = 4) -> dict:
+    """Parameter bytes of `model` (real or meta tensors): the full model, and one rank's FSDP2 shard (each
+    tensor's rows split in `world_size`, padded to equal chunks as FSDP2 pads them)."""
+    full = shard = 0
+    for p in model.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        full += p.numel() * dtype_bytes
+        shard += math.ceil(rows / world_size) * (p.numel() // rows) * dtype_bytes
+    return {"params": sum(p.numel() for p in model.parameters()), "full": full, "shard": shard}
+
+
+def param_bytes(model_name: str, world_size: int, dtype_bytes: int = 4) -> dict:
+    """`param_bytes_of` for a registered model at its real size, built on the meta device (nothing allocated)."""
+    from ..models import causal_lm, hf_config
+
+    return param_bytes_of(causal_lm(hf_config(model_name), device="meta"), world_size, dtype_bytes)
+
+
+# --- exercises ---------------------------------------------------------------------------------------------
+
+@exercise("09-summed-loss")
+def _summed_loss(answer, *, measured):
+    return close(answer, measured, rel=0.02,
+                 hint="each micro-batch's mean loss is one k-th of the big batch's; summing k of them "
+                      "without dividing by k adds up k gradients of full size.")
+
+
+@exercise("09-no-sync-gib")
+def _no_sync_gib(answer, *, measured):
+    return close(answer, measured, rel=0.05, unit=" GiB",
+                 hint="between micro-batches each rank keeps every parameter's gradient UNSHARDED "
+                      "(full shape, fp32) instead of its 1/N shard: full bytes minus shard bytes.")
