@@ -201,10 +201,11 @@ def split_batch(batch, rank: int, world_size: int, k: int, device="cpu") -> list
     return list(zip(tokens.chunk(k), targets.chunk(k)))
 
 
-def cross_entropy(model, tokens, targets) -> torch.Tensor:
-    """Mean next-token loss over the micro-batch (logits in fp32)."""
-    logits = model(tokens)
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def next_token_loss(model, tokens, targets) -> torch.Tensor:
+    """Mean next-token loss over the micro-batch: the lab's one loss (`fsdplab.sharding.loss_of`)."""
+    from ..sharding import loss_of
+
+    return loss_of(model, (tokens, targets))
 
 
 def overlap(a: list, b: list) -> float:
