@@ -64,7 +64,8 @@ class Cluster(Waiting):
     launcher=fsdplab.Mpi(...): one mpiexec starts the ranks on `hosts` (world_size // len(hosts) each; None: this
     machine), `mpi_args` appended to its command line. launcher=fsdplab.Ssh(...): ssh starts them on `hosts`
     ([user@]name[:port]), with `ssh_args` (e.g. ["-i", KEY]) and `remote_python` (default: this
-    Python's path). Both keep the kernel and the controller here (fsdplab.launchers).
+    Python's path). Both keep the kernel and the controller here (fsdplab.launchers). `env`: environment variables
+    every rank process starts with (e.g. {"NCCL_DEBUG": "INFO"}).
     """
 
     _latest = None  # weak reference to the most recently started cluster (what %%ranks uses by default)
@@ -81,7 +82,7 @@ class Cluster(Waiting):
                  gpus_per_node: int | None = None, partition: str | None = None, time_limit: str | None = None,
                  sbatch_args: list | None = None, slurm_conf: str | None = None, address: str | None = None,
                  start_timeout: float = 120.0, hosts: list | None = None, mpi_args: list | None = None,
-                 ssh_args: list | None = None, remote_python: str | None = None):
+                 ssh_args: list | None = None, remote_python: str | None = None, env: dict | None = None):
         self.launcher, given = launchers.resolve(launcher, dict(  # a launcher object, or a name + flat options
             nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time_limit=time_limit,
             sbatch_args=sbatch_args, slurm_conf=slurm_conf, address=address, hosts=hosts, mpi_args=mpi_args,
@@ -97,6 +98,9 @@ class Cluster(Waiting):
         # each rank is in. spares: a second set of rank processes, started and idle (torch imported) once
         # the group is up, so restart() after a fault takes the time of joining a group, not of starting.
         self.record_collectives, self.spares = record_collectives, spares
+        if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
+            raise ValueError(f"env maps variable names to string values, got {env!r}.")
+        self.env = dict(env or {})   # set in every rank process before torch starts (NCCL_DEBUG=INFO, say)
         _check_timeout(timeout)
         _check_timeout(collective_timeout, "collective_timeout")
         _check_timeout(start_timeout, "start_timeout")
@@ -159,7 +163,7 @@ class Cluster(Waiting):
         # torch's flight recorder keeps the last collectives of each rank for the hang explainer.
         record = hang.FR_ENV if self.record_collectives else {"TORCH_FR_BUFFER_SIZE": "0"}
         return {"OMP_NUM_THREADS": str(self._threads), "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore",
-                **record}
+                **record, **self.env}
 
     def _start_processes(self) -> None:
         import ipyparallel as ipp

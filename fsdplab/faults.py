@@ -64,12 +64,21 @@ class RankHang(_ShownInNotebook, TimeoutError):
         same = group_same({r: line.split(" ", 2)[2] for r, line in self.states.items() if line.count(" ") >= 2})
         same.sort(key=lambda group: not set(group[0]) & set(self.ranks))  # the stuck ranks first
         # `.summary`: those lines alone, what a lesson prints when the stacks are not the point.
+        same = [(ranks, _plural(rest) if len(ranks) > 1 else rest) for ranks, rest in same]
         self.summary = "\n".join(f"{rank_list(ranks)} {rest}" for ranks, rest in same)
         parts += [f"  {rank_list(ranks)} {rest}" for ranks, rest in same]
         for r in self.ranks:
             shown = (where or {}).get(r) or self.stacks.get(r, "(no stack captured)")
             parts.append(f"\n--- rank {r} is stuck here (most recent call last) ---\n" + shown.rstrip())
         super().__init__("\n".join(parts))
+
+
+def _plural(state: str) -> str:
+    """'waits in ...' -> 'wait in ...', 'has run ...' -> 'have run ...': a state shared by several ranks."""
+    for one, many in (("waits ", "wait "), ("has ", "have ")):
+        if state.startswith(one):
+            return many + state[len(one):]
+    return state
 
 
 class RankDied(_ShownInNotebook, RuntimeError):

@@ -23,6 +23,9 @@ import time
 FR_ENTRIES = 32
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES), "TORCH_INCLUDE_STACK_TRACE": "0"}
 
+# A request that asks for the flight recorder's full dump instead of a snapshot.
+DUMP_REQUEST = "frdump-"
+
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
 
@@ -53,7 +56,7 @@ def start_answering(ask_file, rank_state: dict):
 
 def _answer(request: str) -> dict:
     try:
-        answer = snapshot()
+        answer = flight_recorder_dump() if request.startswith(DUMP_REQUEST) else snapshot()
     except Exception as exc:  # noqa: BLE001 - an answer that says why beats no answer
         answer = {"error": repr(exc)}
     answer["request"] = request
@@ -113,6 +116,16 @@ def snapshot() -> dict:
     now = _RANK_STATE.get("now")
     return {"frames": frames, "collectives": _recent_collectives(), "running": now[0] if now else None,
             "running_s": time.time() - now[1] if now else None, "pid": os.getpid(), **_memory()}
+
+
+def flight_recorder_dump() -> dict:
+    """This rank's flight recorder as torch dumps it (the pickle that torch's analyzer, `torchfrtrace`, reads),
+    base64-encoded for the answer's JSON."""
+    import base64
+
+    from torch._C import _distributed_c10d as c10d
+
+    return {"fr_dump": base64.b64encode(c10d._dump_fr_trace()).decode()}
 
 
 def _memory() -> dict:

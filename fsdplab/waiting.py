@@ -33,6 +33,12 @@ _OUTPUT_WAIT_S = 5.0
 class Waiting:
     """Mixin of Cluster: waiting on calls and explaining failures (see the module's docstring)."""
 
+    @property
+    def broken(self) -> str | None:
+        """Why the group is unusable (after a hang, a death, a rank that raised while others waited), or None.
+        When it is set, `restart()` gives a fresh group."""
+        return self._broken
+
     def _ranks(self, ranks) -> list:
         if self._client is None:
             raise RuntimeError("the cluster is not running: call cluster.start() (or restart()) first.")
@@ -143,6 +149,29 @@ class Waiting:
 
     def _rank_alive(self, proc) -> bool:
         return proc.alive(self._client) if isinstance(proc, RemoteRank) else _alive(proc)
+
+    def flight_recorder_dumps(self, folder, ranks=None, wait_s: float = 5.0) -> dict:
+        """Write each rank's flight recorder dump, as torch's analyzer reads it, to `folder`/rank_<r>; works while
+        ranks are stuck in a collective. Returns rank -> path for the ranks that answered. Analyze the folder with
+        `torchfrtrace FOLDER -p rank_` (python -m torch.distributed.flight_recorder.fr_trace)."""
+        import base64
+        from pathlib import Path
+
+        if self._client is None:
+            raise RuntimeError("the cluster is not running: call cluster.start() (or restart()) first.")
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        alive = [r for r in ranks if r in self._procs and self._rank_alive(self._procs[r])]
+        answers = hang.ask({r: self._procs[r].ask_target if isinstance(self._procs[r], RemoteRank)
+                            else self._path(f"ask-rank{r}") for r in alive}, wait_s=wait_s,
+                           request=f"{hang.DUMP_REQUEST}{os.getpid()}-{time.monotonic_ns()}")
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = {}
+        for rank, answer in sorted(answers.items()):
+            if "fr_dump" in answer:
+                written[rank] = folder / f"rank_{rank}"
+                written[rank].write_bytes(base64.b64decode(answer["fr_dump"]))
+        return written
 
     def _ask(self, ranks: list) -> dict:
         alive = [r for r in ranks if r in self._procs and self._rank_alive(self._procs[r])]

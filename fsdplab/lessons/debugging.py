@@ -1,0 +1,181 @@
+"""Lesson 10 (hangs, desyncs and stragglers) only: planting a fault and recording what each tool says.
+
+- `plant(cluster, source, timeout)`: run a planted fault on the ranks, catch what the lab raises, time it, write
+  every rank's flight recorder dump, and leave a working group behind (restarting it when needed);
+- `analyze(folder)`: torch's flight recorder analyzer (`torchfrtrace`) on those dumps, its printed verdict;
+  `repair_group_names`: the fix its gloo dumps need in torch 2.13 (see the function);
+- `default_timeouts()`: how long torch waits in a collective by default, the wait a learner sees without the lab;
+- `straggler_score`, `compute_seconds`: a rank's own work per step out of `fsdplab.timeline` traces;
+- the exercise checker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import re
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from ..exercises import close, exercise
+from ..faults import RankDied, RankError, RankHang
+
+
+def default_timeouts() -> dict:
+    """Seconds a collective waits by default before torch gives up: gloo (and the default for any backend) and
+    NCCL, read from the installed torch (NCCL: None where torch was built without it)."""
+    from torch.distributed import constants
+
+    nccl = constants.default_pg_nccl_timeout      # None in a torch built without NCCL (the CPU wheels)
+    return {"gloo": constants.default_pg_timeout.total_seconds(), "nccl": nccl.total_seconds() if nccl else None}
+
+
+def plant(cluster, source: str, *, timeout: float, dump_dir=None) -> dict:
+    """Run `source` on every rank (a planted fault) and record what happened: "outcome" (RankHang, RankError,
+    RankDied or "no error"), "seconds" until the lab said so, "ranks" it names, "message" (its first lines),
+    "states" (RankHang: what each rank was doing), "dumps" (rank -> flight recorder file in `dump_dir`, written
+    before any restart), "restart_s". The group is restarted when the fault left it unusable."""
+    t0 = time.perf_counter()
+    record = {"outcome": "no error", "ranks": [], "message": "", "states": {}, "dumps": {}, "restart_s": None}
+    try:
+        cluster.execute(source, timeout=timeout, quiet=True)
+    except RankHang as err:
+        record.update(outcome="RankHang", ranks=err.ranks, message=err.summary, states=dict(err.states))
+    except RankError as err:
+        lines = [f"rank {r}: {name}: {message}" for r, (name, message, _) in err.errors.items()]
+        lines += [str(state) for state in err.waiting.values()]     # "rank 0 waits in all_reduce #1 ..."
+        record.update(outcome="RankError", ranks=sorted(err.errors), message="\n".join(lines),
+                      states=dict(err.waiting))
+    except RankDied as err:
+        record.update(outcome="RankDied", ranks=sorted(err.exits), message=str(err).splitlines()[0])
+    record["seconds"] = time.perf_counter() - t0
+    if dump_dir is not None:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        record["dumps"] = {r: str(p) for r, p in cluster.flight_recorder_dumps(dump_dir).items()}
+    if cluster.broken:
+        t1 = time.perf_counter()
+        cluster.restart()
+        record["restart_s"] = time.perf_counter() - t1
+    return record
+
+
+def repair_group_names(folder, into) -> Path:
+    """Copy the dumps in `folder` to `into`, naming each process group in `pg_config` as the entries name it.
+
+    torch 2.13's gloo dumps name the default group "" in `pg_config` but "0" in every entry, and the analyzer
+    looks entries up by that name: on the raw files it stops with KeyError ('0', 0). NCCL dumps already agree;
+    for them this copies the files unchanged."""
+    into = Path(into)
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    for path in sorted(Path(folder).glob("rank_*")):
+        dump = pickle.loads(path.read_bytes())
+        config = dump.get("pg_config", {})
+        used = sorted({tuple(e["process_group"]) for e in dump.get("entries", [])})
+        orphans = [key for key in config if key not in {name for name, _ in used}]
+        for name, desc in used:
+            if name not in config and orphans:
+                config[name] = {**config.pop(orphans.pop(0)), "name": name, "desc": desc}
+        (into / path.name).write_bytes(pickle.dumps(dump))
+    return into
+
+
+def analyze(folder) -> str:
+    """What torch's flight recorder analyzer reports for the dumps in `folder` (files rank_<r>), run in this
+    process (its report goes to the "Flight Recorder" logger, caught here); if it fails, the exception it raised,
+    as one line that starts with "analyzer failed"."""
+    import logging
+
+    out = io.StringIO()
+    catch = logging.StreamHandler(out)
+    log = logging.getLogger("Flight Recorder")
+    kept, log.handlers = log.handlers, [catch]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            from torch.distributed.flight_recorder import fr_trace   # says "tabulate is not installed" once
+
+            fr_trace.main([str(folder), "-p", "rank_"])
+    except SystemExit:
+        pass
+    except Exception as err:  # noqa: BLE001 - what it raised is what the lesson shows
+        return f"analyzer failed: {type(err).__name__}: {err}"
+    finally:
+        log.handlers = kept
+    lines = [line for line in out.getvalue().splitlines() if line.strip() and "tabulate is not installed" not in line]
+    return "\n".join(lines)
+
+
+def report_lines(text: str) -> list:
+    """The analyzer's report without the Python frames below the user's code (the lab's engine, asyncio)."""
+    keep, frames = [], False
+    for line in text.splitlines():
+        if line.startswith("collective stack trace"):
+            frames = True
+            keep.append(line)
+            continue
+        if frames and (" at " in line) and ("<ranks source" not in line):
+            continue
+        keep.append(line)
+    return keep
+
+
+def analyzer_verdict(text: str) -> str:
+    """The analyzer's finding in one line: the error message or the "not all ranks joining" line it printed."""
+    for line in text.splitlines():
+        if line.startswith(("error msg:", "Not all ranks joining", "analyzer failed")):
+            return line.replace("error msg: ", "")
+    for line in text.splitlines():
+        if line.startswith("missing ranks"):
+            return line
+    return "no problem found" if text else "(no output)"
+
+
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                          r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)")
+
+
+def detail_summary(message: str) -> str:
+    """DETAIL's mismatch message cut to what differs: each rank's collective type, shapes and dtypes."""
+    found = {}
+    for rank, seq, op, shape, dtype in _FINGERPRINT.findall(message):
+        found.setdefault(int(rank), f"rank {rank}: {op} #{seq} shape [{shape}] {dtype}")
+    if found:
+        return "mismatch: " + "; ".join(found[r] for r in sorted(found))
+    return message.splitlines()[0] if message else ""
+
+
+# --- stragglers --------------------------------------------------------------------------------------------
+
+def compute_seconds(trace: dict) -> float:
+    """Seconds a rank spent computing in one traced step (its compute row: forward, backward, optimizer)."""
+    spans = sorted((e["start_us"], e["end_us"]) for e in trace["events"] if e["row"] == "compute")
+    total, end = 0.0, float("-inf")
+    for s, e in spans:                      # nested ranges (a block inside the root) count once
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1e6
+
+
+def step_seconds(trace: dict) -> float:
+    """Seconds from the first to the last event of a rank's traced step, its collectives included."""
+    events = trace["events"]
+    return (max(e["end_us"] for e in events) - min(e["start_us"] for e in events)) / 1e6
+
+
+def straggler_score(values: list) -> float:
+    """Slowest over median: 1.0 when every rank does the same work in the same time."""
+    return max(values) / statistics.median(values)
+
+
+# --- exercise ----------------------------------------------------------------------------------------------
+
+@exercise("10-step-time")
+def _step_time(answer, *, measured):
+    return close(answer, measured, rel=0.25, unit=" s",
+                 hint="every collective waits for the slowest rank: each step of every rank takes about the "
+                      "straggler's extra time on top of the step without it.")
