@@ -8,7 +8,8 @@ matplotlib and ipykernel too. `fsdplab run` starts one server for the whole run 
 client's environment, working folder and standard streams. The client stays the process its launcher
 (ipyparallel, jupyter_client) watches: it passes signals on and exits as the fork did.
 
-A fork dies with the server (PR_SET_PDEATHSIG), and the server kills a fork whose client is gone (a killed
+A fork dies with the server (PR_SET_PDEATHSIG), and so does what a fork forks in turn (ipyparallel's heart monitor);
+the server kills a fork whose client is gone (a killed
 launcher, a killed kernel's watcher). The server dies with the process that started it. Without a server
 (`FSDPLAB_FORKSERVER` unset or not answering), ranks start as before.
 
@@ -139,6 +140,9 @@ def _run_child(request: dict, fds: list, server: int) -> None:
     try:
         os.setsid()   # as ipyparallel starts its processes: a session of their own
         _die_with_parent()
+        # What this process forks in turn (the controller forks ipyparallel's heart monitor with
+        # multiprocessing) dies with it too: without this a grandchild outlives a killed run, re-parented to init.
+        os.register_at_fork(after_in_child=_die_with_parent)
         if os.getppid() != server:   # the server died before the line above
             os._exit(1)
         for i, fd in enumerate(fds):
@@ -237,6 +241,8 @@ def serve(path: str) -> None:
                 clients[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, ("client", pid))
             elif kind == "client":   # a client sends nothing after its request: it is gone, so its fork goes too
+                if clients.get(pid) is not key.fileobj:   # the fork's exit, earlier in this batch, closed it
+                    continue
                 try:
                     gone = not key.fileobj.recv(1)
                 except OSError:

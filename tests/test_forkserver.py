@@ -89,6 +89,26 @@ def test_a_fork_dies_with_its_stand_in_and_with_the_server(server):
     assert second.wait(timeout=30) != 0
 
 
+def test_what_a_fork_forks_dies_with_it(server, tmp_path):
+    """ipyparallel's controller forks its heart monitor with multiprocessing: a grandchild of the server that
+    PR_SET_PDEATHSIG on the fork alone left running, re-parented to init, after a killed run."""
+    (tmp_path / "forks_again.py").write_text(
+        "import multiprocessing, time\n"
+        "if __name__ == '__main__':\n"
+        "    child = multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,))\n"
+        "    child.start()\n"
+        "    print(child.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    client = subprocess.Popen(forkserver.command("forks_again"), cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    grandchild = psutil.Process(int(client.stdout.readline()))
+    [fork] = [psutil.Process(pid) for pid in _forks_of(server)]
+    assert grandchild.ppid() == fork.pid
+    server.kill()   # the run is gone: the server, its fork, and the fork's own child with them
+    fork.wait(timeout=30)
+    grandchild.wait(timeout=30)
+    client.wait(timeout=30)
+
+
 def test_without_an_answering_server_ranks_start_as_usual(tmp_path, monkeypatch):
     monkeypatch.setenv(forkserver.ENV, str(tmp_path / "nobody-listens.sock"))
     with fsdplab.Cluster(2, spares=False, quiet=True) as c:
