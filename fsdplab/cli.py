@@ -257,6 +257,10 @@ def main(argv=None) -> int:
                      help="papermill parameter for lessons that declare it, e.g. -p steps 200")
     run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
 
+    web = sub.add_parser("site", help="a static website of lessons already executed by `fsdplab run` (runs nothing)")
+    web.add_argument("run", nargs="?", default="runs", help="the folder `fsdplab run --out` wrote (default: runs)")
+    web.add_argument("--out", default="site", help="folder for the site (default: site; replaced if it exists)")
+
     est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)",
                          description="Exact per-GPU memory of a training setup on fake tensors (no GPU needed). "
                                      "--seq-len, --batch-size and --world-size take comma lists: every combination "
@@ -295,6 +299,10 @@ def main(argv=None) -> int:
             return lab_module.lab_command(args)
         if args.command == "run":
             return run_command(args)
+        if args.command == "site":
+            from . import site
+
+            return site.site_command(args)
         return estimate_command(args)
     except ValueError as e:  # a user mistake: one line with the fix, no traceback
         print("fsdplab: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)

@@ -4,13 +4,14 @@ estimate cache and the estimates made ahead; the executed notebook put in place 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from . import estimates_ahead, forkserver
+from . import estimates_ahead, forkserver, site
 
 
 def declared_parameters(path) -> list:
@@ -77,6 +78,7 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     forks of one fork server (fsdplab.forkserver) that lives as long as the run, as are their kernels."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    (out / "run_info.json").write_text(json.dumps(site.run_info()))   # the machine, for `fsdplab site`
     figures = figures_folder(figures, out)
     # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
     own_cache = None if os.environ.get("FSDPLAB_ESTIMATE_CACHE") else tempfile.mkdtemp(prefix="fsdplab-estimates-")

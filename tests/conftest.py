@@ -94,3 +94,10 @@ def _assert_killed_rank_is_died_then_restarts(cluster, wait_until_dead) -> None:
 def assert_killed_rank_is_died_then_restarts():
     """`_assert_killed_rank_is_died_then_restarts` for a test to call."""
     return _assert_killed_rank_is_died_then_restarts
+
+
+@pytest.fixture(scope="session")
+def executed_lessons(tmp_path_factory):
+    """Where tests/test_notebooks.py leaves each lesson it executed (with the run's run_info.json), for the site
+    tests to build from without running anything again."""
+    return tmp_path_factory.mktemp("executed-lessons")

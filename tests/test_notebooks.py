@@ -4,6 +4,7 @@ A run also must leave the repository as it was (figures and files go under the o
 warning the learner did not ask for."""
 
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -37,7 +38,7 @@ def noise(executed: Path) -> list:
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
-def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache):
+def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache, executed_lessons):
     monkeypatch.delenv("FSDPLAB_FIGURES", raising=False)   # the runner's default: under its output folder
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(estimate_cache))
     before = repository_files()
@@ -48,3 +49,5 @@ def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache):
     changed = sorted(str(p.relative_to(REPOSITORY)) for p in set(before) | set(after) if before.get(p) != after.get(p))
     assert not changed, f"running {lesson} wrote into the repository: {changed}"
     assert not noise(executed), f"{lesson} shows warnings a learner did not ask for: {noise(executed)}"
+    for name in (path.name, "run_info.json"):   # for tests/test_site.py: the site is built from these
+        shutil.copy(tmp_path / name, executed_lessons / name)

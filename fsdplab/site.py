@@ -1,0 +1,278 @@
+"""The lab as a static website, built from lessons already executed by `fsdplab run` (nothing runs again).
+
+    fsdplab site [RUN] [--out DIR]        RUN: the folder `fsdplab run --out RUN` wrote (default: runs)
+
+Each executed lesson becomes a page (nbconvert's HTML exporter, figures embedded, so a page is one file); the
+home page lists the lessons with the verdicts each one printed (right / partly / wrong badges, each a link to the
+cell that printed it); the README and the pages in docs/ become pages too, where the repository is at hand; a
+search page looks through every page's text (an index written at build time, searched in the browser). Nothing is
+fetched while building or viewing: the exporter's links to a CDN (require.js, MathJax) are left out. The machine
+and torch version the lessons ran on come from RUN/run_info.json, which `fsdplab run` writes.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+# A printed verdict: "claim 13 'saving ...': WRONG. ...", "claim #7 PCIe ...: PARTLY: ...", "Claim 15 (partly): ...",
+# "belief 'no_sync saves memory': HALF RIGHT. ..."; and a row of a lesson's verdict table: "| 4 | ... | **WRONG** | ...".
+_WORD = r"half right|partly right|partly true|partly|plausible|right|true|wrong"
+VERDICT = re.compile(r"^(?P<what>(?:claims? #?\d+(?:(?:, | and |-)\d+)*|belief)\b.{0,160}?)[:(]\s*\**(?P<word>"
+                     + _WORD + r")\b", re.I)
+TABLE_ROW = re.compile(r"^\|\s*(?P<claim>\d+)\s*\|.*?\*\*(?P<word>" + _WORD + r")\*\*", re.I)
+BADGES = {"right": "#1a7f37", "partly": "#9a6700", "wrong": "#cf222e", "other": "#57606a"}
+_NO_ICON = '<link rel="icon" href="data:,">'   # no favicon request (a 404 in the browser's console)
+_CDN_SCRIPT = re.compile(r'<script[^>]*src="https?://[^"]*"[^>]*>\s*</script>\s*', re.I)
+
+
+def run_info() -> dict:
+    """The machine a run executes on (no host name): what `fsdplab run` writes to OUT/run_info.json."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
+            "cpus": os.cpu_count(), "processor": platform.machine(), "gpus": gpus,
+            "device": f"{len(gpus)} x {gpus[0]}" if gpus else "CPU only (gloo ranks)"}
+
+
+def _kind(word: str) -> str:
+    word = word.lower()
+    return "wrong" if word == "wrong" else "right" if word in ("right", "true") else "partly"
+
+
+def verdicts(nb) -> list:
+    """[(what, verdict word, badge kind, cell id)] from what the lesson printed: verdict lines and the rows of
+    its verdict tables (markdown outputs), once per claim and verdict."""
+    found, seen = [], set()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for out in cell.get("outputs", []):
+            lines = []
+            if out.get("output_type") == "stream" and out.get("name") == "stdout":
+                lines = [(VERDICT, line) for line in out.get("text", "").splitlines()]
+            markdown = out.get("data", {}).get("text/markdown")
+            if markdown:
+                lines += [(TABLE_ROW, line) for line in "".join(markdown).splitlines()]
+            for pattern, line in lines:
+                m = pattern.match(line.strip())
+                if not m:
+                    continue
+                what = f"claim {m.group('claim')}" if pattern is TABLE_ROW else m.group("what").strip()
+                word = m.group("word").upper()
+                if (_label(what), word) not in seen:
+                    seen.add((_label(what), word))
+                    found.append((what, word, _kind(word), cell.get("id", "")))
+    return found
+
+
+_WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def _static_widgets(nb):
+    """Widgets without a kernel: the static image a dashboard saved beside its widget, or a line saying where the
+    live one is; no widget state, so nbconvert adds no loader that fetches the widget renderer from a CDN."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if _WIDGET in data:
+                del data[_WIDGET]
+                if not any(k.startswith("image/") for k in data):
+                    data["text/plain"] = "(an interactive widget: open the lesson in JupyterLab to use it)"
+                    data.pop("text/html", None)
+    return nb
+
+
+def _label(what: str) -> str:
+    """A badge's words: "claim 13" for a claim, the belief itself for a belief (quotes dropped), at most 48 letters."""
+    claim = re.match(r"claims? #?(\d+(?:(?:, | and |-)\d+)*)", what, re.I)
+    if claim:
+        return f"claim {claim.group(1)}"
+    quoted = re.search(r"'([^']+)'", what)
+    text = quoted.group(1) if quoted else what
+    return text if len(text) <= 48 else text[:47] + "…"
+
+
+def _title(nb, fallback: str) -> str:
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return fallback
+
+
+def _text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        parts.append(cell.source)
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                parts.append(out.get("text", ""))
+    return re.sub(r"\s+", " ", "\n".join(parts))
+
+
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;line-height:1.5;color:#1f2328}
+a{color:#0969da}nav a{margin-right:1em}.badge{display:inline-block;color:#fff;border-radius:1em;padding:0 .6em;
+margin:.1em .2em;font-size:.8em;text-decoration:none}.lesson{border-top:1px solid #d0d7de;padding:.6em 0}
+.machine{color:#57606a;font-size:.9em}pre{background:#f6f8fa;padding:.6em;overflow-x:auto}code{background:#f6f8fa}
+table{border-collapse:collapse}td,th{border:1px solid #d0d7de;padding:.2em .5em;vertical-align:top}
+img{max-width:100%}#results li{margin:.3em 0}"""
+
+
+def _page(title: str, body: str) -> str:
+    nav = ('<nav><a href="index.html">Lessons</a><a href="readme.html">README</a>'
+           '<a href="search.html">Search</a></nav>')
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)} · fsdplab</title>'
+            f'{_NO_ICON}<style>{_STYLE}</style></head><body>{nav}{body}</body></html>\n')
+
+
+def _markdown(text: str, pages: set) -> str:
+    """Markdown to HTML with mistune (nbconvert's own renderer); links to .md pages and lesson notebooks point
+    at their pages on the site, and a link to a page the site does not have (a lesson this run did not execute,
+    a file of the repository) becomes plain text."""
+    import mistune
+
+    body = mistune.html(text)
+    body = re.sub(r'href="(?:\.\./)?(?:docs/)?([\w-]+)\.md(#[^"]*)?"',
+                  lambda m: f'href="{"readme" if m.group(1) == "README" else m.group(1)}.html{m.group(2) or ""}"', body)
+    body = re.sub(r'href="(?:\.\./)?(?:notebooks/)?(\d\d_\w+)\.ipynb"', r'href="\1.html"', body)
+    body = re.sub(r'href="(?:\.\./)?benchmarks/README\.md"', 'href="benchmarks.html"', body)
+
+    def keep(m):
+        target = m.group(1).split("#")[0]
+        if re.match(r"[a-z]+:", m.group(1)) or not target or target in pages:
+            return m.group(0)
+        return m.group(2)
+
+    return re.sub(r'<a href="([^"]*)">(.*?)</a>', keep, body, flags=re.S)
+
+
+def _docs() -> dict:
+    """page name -> (title, markdown), from the repository when it is at hand (a wheel ships no docs)."""
+    pages = {}
+    sources = [("readme", REPOSITORY / "README.md"), ("benchmarks", REPOSITORY / "benchmarks" / "README.md")]
+    sources += [(p.stem, p) for p in sorted((REPOSITORY / "docs").glob("*.md"))]
+    for name, path in sources:
+        if path.is_file():
+            text = path.read_text()
+            first = next((line[2:] for line in text.splitlines() if line.startswith("# ")), name)
+            pages[name] = ("README" if name == "readme" else first.strip(), text)
+    return pages
+
+
+def _images(folder: Path, text: str, out: Path) -> None:
+    """Copy the images a markdown page links to (docs/figures/...) next to the site's pages."""
+    for rel in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text):
+        src = (folder / rel).resolve()
+        if src.is_file():
+            dest = out / rel.replace("../", "")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dest)
+
+
+def build(run_dir="runs", out_dir="site") -> dict:
+    """Build the site from the executed lessons in `run_dir` into `out_dir`; returns what was built."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    run, out = Path(run_dir), Path(out_dir)
+    lessons = sorted(run.glob("[0-9][0-9]_*.ipynb"))
+    if not lessons:
+        raise ValueError(f"no executed lessons in {run}: run `fsdplab run --out {run}` first, then `fsdplab site {run}`.")
+    if out.exists() and any(out.iterdir()) and not (out / "search.json").is_file():
+        raise ValueError(f"{out} holds files that are not a site this command built: choose a new or empty folder "
+                         "for --out (a previous site there is replaced).")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    info_file = run / "run_info.json"
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    machine = (f"Executed on {info.get('device', '?')}, {info.get('cpus', '?')} CPU cores, torch {info.get('torch', '?')}, "
+               f"Python {info.get('python', '?')}, {info.get('date', '?')}" if info else
+               "Executed on a machine this run did not record (run_info.json is missing).")
+    exporter = HTMLExporter(template_name="lab", embed_images=True)
+    index, entries = [], []
+    built = {"lessons": [], "docs": [], "verdicts": 0}
+    for path in lessons:
+        nb = nbformat.read(path, as_version=4)
+        title = _title(nb, path.stem)
+        body, _ = exporter.from_notebook_node(_static_widgets(nb), resources={"metadata": {"name": f"{title} · fsdplab"}})
+        body = _CDN_SCRIPT.sub("", body).replace("<head>", "<head>" + _NO_ICON, 1)
+        body = body.replace("<body", f'<body data-machine="{html.escape(machine)}"', 1)
+        body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + f'<p class="machine" style="margin:1em 2em">'
+                      f'<a href="index.html">All lessons</a> · {html.escape(machine)}</p>', body, count=1)
+        (out / f"{path.stem}.html").write_text(body)
+        found = verdicts(nb)
+        badges = "".join(f'<a class="badge" style="background:{BADGES[kind]}" href="{path.stem}.html#cell-id={cid}" '
+                         f'title="{html.escape(what)}">{html.escape(_label(what))}: {word.lower()}</a>'
+                         for what, word, kind, cid in found)
+        index.append(f'<div class="lesson"><a href="{path.stem}.html"><b>{html.escape(title)}</b></a><br>{badges}</div>')
+        entries.append({"url": f"{path.stem}.html", "title": title, "text": _text(nb)})
+        built["lessons"].append(path.stem)
+        built["verdicts"] += len(found)
+    docs = _docs()
+    pages = {f"{stem}.html" for stem in built["lessons"]} | {f"{n}.html" for n in docs} | {"index.html", "search.html"}
+    for name, (title, text) in docs.items():
+        (out / f"{name}.html").write_text(_page(title, _markdown(text, pages)))
+        source = REPOSITORY / ("README.md" if name == "readme" else "benchmarks/README.md" if name == "benchmarks"
+                               else f"docs/{name}.md")
+        _images(source.parent, text, out)
+        entries.append({"url": f"{name}.html", "title": title, "text": re.sub(r"\s+", " ", text)})
+        built["docs"].append(name)
+    docs_links = "".join(f'<li><a href="{n}.html">{html.escape(docs[n][0])}</a></li>' for n in built["docs"])
+    gpu_note = ("" if info.get("gpus") else "<p>GPU runs: none published yet. Build a second site from a run on GPUs "
+                "(<code>fsdplab run --out runs-gpu</code>, then <code>fsdplab site runs-gpu --out site-gpu</code>); its "
+                "pages carry the GPUs' names the same way.</p>")
+    (out / "index.html").write_text(_page("fsdplab", (
+        "<h1>fsdplab: a hands-on lab for PyTorch FSDP</h1><p>Every lesson below was executed on live ranks; each "
+        "badge is a verdict the lesson computed, linked to the cell that printed it.</p>"
+        f'<p class="machine">{html.escape(machine)}</p>{gpu_note}' + "".join(index)
+        + (f"<h2>Documentation</h2><ul>{docs_links}</ul>" if docs_links else ""))))
+    (out / "search.json").write_text(json.dumps(entries))
+    (out / "search.html").write_text(_page("Search", _SEARCH))
+    built["pages"] = sorted(p.name for p in out.glob("*.html"))
+    return built
+
+
+# The search page: the index is inlined by fetch() of search.json; words must all appear (case-insensitive).
+_SEARCH = """<h1>Search</h1><input id="q" size="50" placeholder="e.g. reduce_dtype, set_epoch, RankHang" autofocus>
+<ul id="results"></ul><script>
+let pages = [];
+fetch("search.json").then(r => r.json()).then(p => { pages = p; run(); }).catch(() => {
+  document.getElementById("results").innerHTML = "<li>Open this site through a web server (python -m http.server) "
+    + "to search: browsers do not let a file:// page read the index.</li>"; });
+function run() {
+  const words = document.getElementById("q").value.toLowerCase().split(/\\s+/).filter(w => w);
+  const list = document.getElementById("results"); list.innerHTML = "";
+  if (!words.length) return;
+  for (const p of pages) {
+    const text = p.text.toLowerCase();
+    if (!words.every(w => text.includes(w))) continue;
+    const at = text.indexOf(words[0]);
+    const snippet = p.text.slice(Math.max(0, at - 80), at + 120);
+    const li = document.createElement("li"); const a = document.createElement("a");
+    a.href = p.url; a.textContent = p.title; li.appendChild(a);
+    li.appendChild(document.createTextNode(" … " + snippet + " …")); list.appendChild(li);
+  }
+  if (!list.children.length) list.innerHTML = "<li>No page has all of these words.</li>";
+}
+document.getElementById("q").addEventListener("input", run);
+</script>"""
+
+
+def site_command(args) -> int:
+    built = build(args.run, args.out)
+    print(f"built {len(built['pages'])} pages ({len(built['lessons'])} lessons, {built['verdicts']} verdicts, "
+          f"{len(built['docs'])} docs pages) in {args.out}; open {Path(args.out) / 'index.html'}, or serve it: "
+          f"python -m http.server -d {args.out}")
+    return 0
