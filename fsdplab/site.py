@@ -31,17 +31,25 @@ _CDN_SCRIPT = re.compile(r'<script[^>]*src="https?://[^"]*"[^>]*>\s*</script>\s*
 
 
 def run_info() -> dict:
-    """The machine a run executes on (no host name): what `fsdplab run` writes to OUT/run_info.json."""
+    """The machine a run executes on (no host name): what `fsdplab run` writes to OUT/run_info.json. Cheap: torch
+    is not imported (its version from the installed package, the GPUs from nvidia-smi where there is one)."""
     import datetime
+    import importlib.metadata
     import os
     import platform
+    import subprocess
 
-    import torch
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "processor": platform.machine(), "gpus": gpus,
-            "device": f"{len(gpus)} x {gpus[0]}" if gpus else "CPU only (gloo ranks)"}
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=10).stdout
+            gpus = [line.strip() for line in names.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError):
+            gpus = []
+    return {"date": datetime.date.today().isoformat(), "torch": importlib.metadata.version("torch"),
+            "python": platform.python_version(), "cpus": os.cpu_count(), "processor": platform.machine(),
+            "gpus": gpus, "device": f"{len(gpus)} x {gpus[0]}" if gpus else "CPU only (gloo ranks)"}
 
 
 def _kind(word: str) -> str:
