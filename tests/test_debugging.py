@@ -13,6 +13,7 @@ from fsdplab.lessons import debugging as dbg
 
 
 def test_a_hang_is_dumped_from_every_rank_and_the_repaired_dumps_name_the_missing_rank(cluster, tmp_path):
+    cluster.restart()       # a flight recorder with this test's collectives only, not those of the tests before it
     cluster.execute("import torch")
     record = dbg.plant(cluster, "if rank() == 0:\n    dist.all_reduce(torch.ones(4))", timeout=2,
                        dump_dir=tmp_path / "dumps")
@@ -33,12 +34,17 @@ def test_repair_is_a_copy_that_leaves_agreeing_names_alone(tmp_path):
     broken = {"version": "2.10", "pg_config": {"": {"name": "", "desc": "", "ranks": "[0, 1]"}}, "entries": entries}
     fine = {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
             "entries": entries}
+    other = {"version": "2.10", "pg_config": {"": {"name": "", "desc": "", "ranks": "[0, 1]"},
+                                              "5": {"name": "5", "desc": "undefined", "ranks": "[0]"}},
+             "entries": [{"process_group": ("7", "undefined")}]}   # no default-group entry: nothing to rename
+    (tmp_path / "in" / "rank_2").write_bytes(pickle.dumps(other))
     (tmp_path / "in" / "rank_0").write_bytes(pickle.dumps(broken))
     (tmp_path / "in" / "rank_1").write_bytes(pickle.dumps(fine))
     out = dbg.repair_group_names(tmp_path / "in", tmp_path / "out")
     repaired = pickle.loads((out / "rank_0").read_bytes())
     assert repaired["pg_config"] == {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}
     assert pickle.loads((out / "rank_1").read_bytes()) == fine
+    assert pickle.loads((out / "rank_2").read_bytes()) == other
     assert pickle.loads((tmp_path / "in" / "rank_0").read_bytes()) == broken      # the originals stay
 
 

@@ -63,22 +63,20 @@ def plant(cluster, source: str, *, timeout: float, dump_dir=None) -> dict:
 
 
 def repair_group_names(folder, into) -> Path:
-    """Copy the dumps in `folder` to `into`, naming each process group in `pg_config` as the entries name it.
+    """Copy the dumps in `folder` to `into`, with the default group named in `pg_config` as the entries name it.
 
     torch 2.13's gloo dumps name the default group "" in `pg_config` but "0" in every entry, and the analyzer
-    looks entries up by that name: on the raw files it stops with KeyError ('0', 0). NCCL dumps already agree;
-    for them this copies the files unchanged."""
+    looks entries up by that name: on the raw files it stops with KeyError ('0', 0). Only that entry is renamed;
+    NCCL dumps already agree, and for them this copies the files unchanged."""
     into = Path(into)
     shutil.rmtree(into, ignore_errors=True)
     into.mkdir(parents=True)
     for path in sorted(Path(folder).glob("rank_*")):
         dump = pickle.loads(path.read_bytes())
         config = dump.get("pg_config", {})
-        used = sorted({tuple(e["process_group"]) for e in dump.get("entries", [])})
-        orphans = [key for key in config if key not in {name for name, _ in used}]
-        for name, desc in used:
-            if name not in config and orphans:
-                config[name] = {**config.pop(orphans.pop(0)), "name": name, "desc": desc}
+        default = [tuple(e["process_group"]) for e in dump.get("entries", []) if tuple(e["process_group"])[0] == "0"]
+        if "" in config and "0" not in config and default:
+            config["0"] = {**config.pop(""), "name": "0", "desc": default[0][1]}
         (into / path.name).write_bytes(pickle.dumps(dump))
     return into
 
