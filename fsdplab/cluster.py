@@ -36,7 +36,7 @@ import weakref
 from . import forkserver, hang, launchers, shipped_code, slurm
 from .faults import RankDied, RankError, RankHang, _running_text, _status_table
 from .processes import (_alive, _check_output, _check_timeout, _cleanup, _cmdline, _kill_all, _process_tree,
-                        check_capacity, choose_backend, free_port, gpu_count, max_world_size)
+                        _checked_env, check_capacity, choose_backend, free_port, gpu_count, max_world_size)
 from .remote import RemoteRank
 from .waiting import Waiting
 
@@ -64,8 +64,7 @@ class Cluster(Waiting):
     launcher=fsdplab.Mpi(...): one mpiexec starts the ranks on `hosts` (world_size // len(hosts) each; None: this
     machine), `mpi_args` appended to its command line. launcher=fsdplab.Ssh(...): ssh starts them on `hosts`
     ([user@]name[:port]), with `ssh_args` (e.g. ["-i", KEY]) and `remote_python` (default: this
-    Python's path). Both keep the kernel and the controller here (fsdplab.launchers). `env`: environment variables
-    every rank process starts with (e.g. {"NCCL_DEBUG": "INFO"}).
+    Python's path). Both keep kernel and controller here (fsdplab.launchers). `env`: variables each rank starts with.
     """
 
     _latest = None  # weak reference to the most recently started cluster (what %%ranks uses by default)
@@ -89,8 +88,7 @@ class Cluster(Waiting):
             ssh_args=ssh_args, remote_python=remote_python))
         self._remote, self.backend = launchers.options(self.launcher, world_size, backend, given)
         spares = spares if self._remote is None else False  # elsewhere spares would hold nodes idle
-        _check_output(output)
-        self.output = output
+        self.output = _check_output(output)
         for name, value in (("record_collectives", record_collectives), ("spares", spares)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} is True or False, got {value!r}.")
@@ -98,9 +96,7 @@ class Cluster(Waiting):
         # each rank is in. spares: a second set of rank processes, started and idle (torch imported) once
         # the group is up, so restart() after a fault takes the time of joining a group, not of starting.
         self.record_collectives, self.spares = record_collectives, spares
-        if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
-            raise ValueError(f"env maps variable names to string values, got {env!r}.")
-        self.env = dict(env or {})   # set in every rank process before torch starts (NCCL_DEBUG=INFO, say)
+        self.env = _checked_env(env)   # set in every rank process before torch starts (NCCL_DEBUG=INFO, say)
         _check_timeout(timeout)
         _check_timeout(collective_timeout, "collective_timeout")
         _check_timeout(start_timeout, "start_timeout")

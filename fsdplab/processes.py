@@ -74,10 +74,18 @@ def _check_timeout(timeout, name: str = "timeout") -> None:
                          f"Leave it out for the cluster's default, or give e.g. {name}=60.")
 
 
-def _check_output(output) -> None:
+def _check_output(output) -> str:
     if output not in ("lines", "tabs"):
         raise ValueError(f"output is 'lines' (labelled lines, the default) or 'tabs' (one tab per rank in "
                          f"JupyterLab), got {output!r}.")
+    return output
+
+
+def _checked_env(env) -> dict:
+    """A copy of `env`, the variables every rank process starts with, once each is a string name and value."""
+    if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
+        raise ValueError(f"env maps variable names to string values, got {env!r}.")
+    return dict(env or {})
 
 
 def _process_tree(pids) -> list:
