@@ -27,6 +27,8 @@ VERDICT = re.compile(r"^(?P<what>(?:claims? #?\d+(?:(?:, | and |-)\d+)*|belief)\
 TABLE_ROW = re.compile(r"^\|\s*(?P<claim>\d+)\s*\|.*?\*\*(?P<word>" + _WORD + r")\*\*", re.I)
 BADGES = {"right": "#1a7f37", "partly": "#9a6700", "wrong": "#cf222e", "other": "#57606a"}
 _NO_ICON = '<link rel="icon" href="data:,">'   # no favicon request (a 404 in the browser's console)
+_LESSON_STYLE = ('<style>.badge{display:inline-block;color:#fff;border-radius:1em;padding:0 .6em;margin:.1em .2em;'
+                 'font-size:.8em;text-decoration:none}.machine{color:#57606a;font-size:.9em}</style>')
 _CDN_SCRIPT = re.compile(r'<script[^>]*src="https?://[^"]*"[^>]*>\s*</script>\s*', re.I)
 
 
@@ -99,6 +101,17 @@ def _static_widgets(nb):
                     data["text/plain"] = "(an interactive widget: open the lesson in JupyterLab to use it)"
                     data.pop("text/html", None)
     return nb
+
+
+def _claim_list(stem: str, found: list) -> str:
+    """The top of a lesson page: each claim the lesson decided, its verdict as a badge, a link to the deciding cell."""
+    if not found:
+        return ""
+    rows = "".join(f'<li><a class="badge" style="background:{BADGES[kind]}" href="{stem}.html#cell-id={cid}">'
+                   f'{word.lower()}</a> {html.escape(what)} (<a href="#cell-id={cid}">the cell that decides it</a>)</li>'
+                   for what, word, kind, cid in found)
+    return (f'<details open><summary><b>What this lesson decides ({len(found)} verdicts, computed in this run)</b>'
+            f'</summary><ul style="list-style:none;padding-left:0">{rows}</ul></details>')
 
 
 def _label(what: str) -> str:
@@ -215,15 +228,16 @@ def build(run_dir="runs", out_dir="site") -> dict:
         nb = nbformat.read(path, as_version=4)
         title = _title(nb, path.stem)
         body, _ = exporter.from_notebook_node(_static_widgets(nb), resources={"metadata": {"name": f"{title} · fsdplab"}})
-        body = _CDN_SCRIPT.sub("", body).replace("<head>", "<head>" + _NO_ICON, 1)
+        body = _CDN_SCRIPT.sub("", body).replace("<head>", "<head>" + _NO_ICON + _LESSON_STYLE, 1)
         body = body.replace("<body", f'<body data-machine="{html.escape(machine)}"', 1)
-        body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + f'<p class="machine" style="margin:1em 2em">'
-                      f'<a href="index.html">All lessons</a> · {html.escape(machine)}</p>', body, count=1)
-        (out / f"{path.stem}.html").write_text(body)
         found = verdicts(nb)
         badges = "".join(f'<a class="badge" style="background:{BADGES[kind]}" href="{path.stem}.html#cell-id={cid}" '
                          f'title="{html.escape(what)}">{html.escape(_label(what))}: {word.lower()}</a>'
                          for what, word, kind, cid in found)
+        top = (f'<div style="margin:1em 1em 0 100px"><p class="machine"><a href="index.html">All lessons</a> · '
+               f'{html.escape(machine)}</p>{_claim_list(path.stem, found)}</div>')
+        body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + top, body, count=1)
+        (out / f"{path.stem}.html").write_text(body)
         index.append(f'<div class="lesson"><a href="{path.stem}.html"><b>{html.escape(title)}</b></a><br>{badges}</div>')
         entries.append({"url": f"{path.stem}.html", "title": title, "text": _text(nb)})
         built["lessons"].append(path.stem)
@@ -247,18 +261,17 @@ def build(run_dir="runs", out_dir="site") -> dict:
         f'<p class="machine">{html.escape(machine)}</p>{gpu_note}' + "".join(index)
         + (f"<h2>Documentation</h2><ul>{docs_links}</ul>" if docs_links else ""))))
     (out / "search.json").write_text(json.dumps(entries))
-    (out / "search.html").write_text(_page("Search", _SEARCH))
+    # The index is also inlined in the search page, so search works from file:// too (no fetch needed).
+    inline = json.dumps(entries).replace("</", "<\\/")
+    (out / "search.html").write_text(_page("Search", f"<script>window.SEARCH_INDEX = {inline};</script>" + _SEARCH))
     built["pages"] = sorted(p.name for p in out.glob("*.html"))
     return built
 
 
-# The search page: the index is inlined by fetch() of search.json; words must all appear (case-insensitive).
+# The search page: the index (window.SEARCH_INDEX, inlined above it); a page matches when it has every word.
 _SEARCH = """<h1>Search</h1><input id="q" size="50" placeholder="e.g. reduce_dtype, set_epoch, RankHang" autofocus>
 <ul id="results"></ul><script>
-let pages = [];
-fetch("search.json").then(r => r.json()).then(p => { pages = p; run(); }).catch(() => {
-  document.getElementById("results").innerHTML = "<li>Open this site through a web server (python -m http.server) "
-    + "to search: browsers do not let a file:// page read the index.</li>"; });
+let pages = window.SEARCH_INDEX || [];
 function run() {
   const words = document.getElementById("q").value.toLowerCase().split(/\\s+/).filter(w => w);
   const list = document.getElementById("results"); list.innerHTML = "";

@@ -112,6 +112,10 @@ def test_a_small_run_becomes_pages_with_badges_links_and_search(small_run, tmp_p
     lesson = (out / "01_first.html").read_text()
     assert "data:image/png;base64," in lesson and "All lessons" in lesson
     assert not re.search(r'<script[^>]*src="https?://', lesson)     # nothing fetched (mermaid only with diagrams)
+    # The lesson page lists its own verdicts, each linked to the cell that printed it (broken_links checks anchors).
+    claims = re.findall(r'<li><a class="badge"[^>]*href="01_first.html#(cell-id=[^"]+)">(\w+)</a> claim (\d+)', lesson)
+    assert [(word, claim) for _, word, claim in claims] == [("wrong", "4"), ("partly", "7")], claims
+    assert "window.SEARCH_INDEX = [" in (out / "search.html").read_text()   # search works from file:// too
     assert any("40% less" in page["text"] for page in built) and any(page["url"] == "readme.html" for page in built)
 
 
