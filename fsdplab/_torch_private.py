@@ -215,6 +215,35 @@ def checkpoint_wrapper_fn():
                                                              checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
+def selective_checkpoint_context():
+    """torchtitan's per-op selective checkpointing policy, as a `context_fn` for torch.utils.checkpoint: a
+    checkpointed block keeps the outputs of its attention kernels, reduce-scatters and maxima, and of every
+    other matmul (`aten.mm`; `addmm`, a Linear with a bias, is recomputed as in torchtitan), and recomputes
+    the rest in backward. The CPU attention kernels are added to torchtitan's list, so that the estimator's
+    fake CPU run keeps what a GPU run keeps. (Public API since torch 2.4, but a policy names private ops.)"""
+    from collections import defaultdict
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = torch.ops.aten
+    save = {ops.mm.default, ops.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(ops, name):
+            save.add(getattr(ops, name).default)
+    counts = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == ops.mm.default:
+            counts[mode] += 1
+        keep = func in save and not (func == ops.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def replicate_fn():
     """torch's `replicate` built on FSDP2 (torch.distributed._composable.replicate_with_fsdp, torch 2.9+):
     DDP's layout (every rank keeps every parameter, gradients all-reduced) on FSDP2's machinery, so it runs
@@ -366,10 +395,57 @@ class _PeakTracker:
         self.offload_peak, self.offload_peak_snap = 0, {}
         self.category_max, self.offload_category_max = {}, {}
         self._device_query = fake_device_query()
+        # Where the step is at each change of the live bytes: (phase, module, op), and the bytes per category
+        # then (the memory-over-step figure); the moment of the peak (and of the peak left on the device).
+        self._op, self.timeline, self.peak_at, self.offload_peak_at = None, [], {}, {}
 
-    def _update_snap(self, *args, **kwargs):
-        super()._update_snap(*args, **kwargs)
+    def _moment(self) -> dict:
+        parents = [p for p in getattr(self._mod_tracker, "parents", ()) if p != "Global"]
+        phase = ("optimizer step" if getattr(self, "_in_opt", False) else
+                 "backward" if getattr(self._mod_tracker, "is_bw", False) else
+                 "forward" if parents else "between (zero_grad, hooks)")
+        module = max(parents, key=lambda p: (p.count("."), len(p))) if parents else ""
+        return {"phase": phase, "module": module.partition(".")[2] or module, "op": str(self._op or "")}
+
+    # The allocation and free sequence from the last reset_peak (fsdplab.allocator replays it): None until then.
+    alloc_log, alloc_preloaded, _serials = None, 0, None
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+        super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
         self._snap_changes += 1
+        log = self.alloc_log
+        if log is None:
+            return
+        kind = u_type.name                      # ADD, DEL, SIZE (a resize_), REF (a new label: no allocation)
+        if kind == "ADD" and winfo.mem_consumed:
+            log.append(self._malloc_event(winfo))
+        elif kind == "DEL" and winfo.mem_consumed:
+            log.append(("-", self._serial(winfo)))
+        elif kind == "SIZE":
+            if old_mem_consumed:
+                log.append(("-", self._serial(winfo)))
+            if winfo.mem_consumed:
+                log.append(self._malloc_event(winfo))
+
+    def _serial(self, winfo) -> int:
+        serial = getattr(winfo, "fsdplab_serial", None)
+        if serial is None:
+            serial = winfo.fsdplab_serial = next(self._serials)
+        return serial
+
+    def _malloc_event(self, winfo) -> tuple:
+        from .allocator import STREAM_OF
+
+        return ("+", self._serial(winfo), winfo.mem_consumed, STREAM_OF.get(getattr(winfo.reftype, "value", ""), 0))
+
+    def start_alloc_log(self) -> None:
+        """Log allocations and frees from now on, beginning with what is alive now (in the tracker's order)."""
+        import itertools
+
+        self._serials = self._serials or itertools.count()
+        alive = [w for w, _ in self._WINFO.values() if w.mem_consumed]
+        self.alloc_log = [self._malloc_event(w) for w in alive]
+        self.alloc_preloaded = len(self.alloc_log)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Three in five ops of a step on fake tensors are `.device` queries, which neither allocate nor free.
@@ -382,6 +458,7 @@ class _PeakTracker:
             if self._snap_seen != self._snap_changes and query.active_fake_mode() is self._fake_mode_on_entry:
                 self._update_peak_stats(None)
             return query.answer(args)
+        self._op = func
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state):
@@ -390,10 +467,12 @@ class _PeakTracker:
         if self._snap_seen == self._snap_changes:
             return
         self._snap_seen = self._snap_changes
+        moment = None
         for dev, snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
+                self.peak_at = moment = self._moment()
             cats, kept, off = {}, {}, 0
             for k, v in snap.items():
                 c = self._key_category.get(k)
@@ -411,6 +490,8 @@ class _PeakTracker:
             on_device = snap["Total"] - off
             if on_device > self.offload_peak:
                 self.offload_peak, self.offload_peak_snap = on_device, dict(snap)
+                self.offload_peak_at = moment = moment or self._moment()
+            self.timeline.append(((moment or self._moment())["phase"], cats, kept))
 
     def settle_fsdp(self, model) -> bool:
         """Leave the FSDP2 `model` as its first forward leaves it for every later step, without running it:
@@ -445,8 +526,27 @@ class _PeakTracker:
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
         self.offload_peak, self.offload_peak_snap = 0, {}
         self.category_max, self.offload_category_max = {}, {}
+        self.timeline, self.peak_at, self.offload_peak_at = [], {}, {}
         self._snap_seen = -1
         self.reset_mod_stats()
+        self.start_alloc_log()
+
+    def memory_over_step(self, offload: bool = False, points: int = 600) -> dict:
+        """The tracked region's bytes per category at each change (at most `points`, evenly picked, the peak
+        always among them), with the phase of each: {"phase": [...], "<category>": [...]}."""
+        rows = self.timeline
+        if not rows:
+            return {}
+        totals = [sum((kept if offload else cats).values()) for _, cats, kept in rows]
+        top = max(range(len(rows)), key=totals.__getitem__)
+        # Every phase keeps its first and last event: a short optimizer step (few, large allocations) shows too.
+        edges = {i for i in range(len(rows)) if i in (0, len(rows) - 1) or rows[i][0] != rows[i - 1][0]
+                 or rows[i][0] != rows[i + 1][0]}
+        keep = sorted(set(range(0, len(rows), max(1, len(rows) // points))) | {top} | edges)
+        out = {"phase": [rows[i][0] for i in keep]}
+        for c in CATEGORIES:
+            out[c] = [int((rows[i][2] if offload else rows[i][1]).get(c, 0)) for i in keep]
+        return out
 
     def current(self) -> dict:
         """Raw tracker categories live right now (bytes, summed over devices)."""

@@ -167,6 +167,17 @@ def _lora_targets(text: str):
     return text if text in LORA_TARGETS else tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+def _checkpointing(args):
+    """--activation-checkpointing [full | K | selective | none] as a TrainSetting field."""
+    mode = args.activation_checkpointing.strip().lower()
+    if mode in ("none", "full", "selective"):
+        return {"none": False, "full": True}.get(mode, mode)
+    if mode.isdigit() and int(mode) >= 1:
+        return int(mode)
+    raise ValueError(f"--activation-checkpointing takes full, selective, or K (every K-th block, e.g. 2); "
+                     f"got {args.activation_checkpointing!r}.")
+
+
 def _strategy(args) -> str:
     """--strategy, with the older --no-reshard-after-forward meaning shard_grad_op."""
     strategy = args.strategy or ("full_shard" if args.reshard_after_forward else "shard_grad_op")
@@ -197,6 +208,10 @@ def estimate_command(args) -> int:
         raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}.")
     if args.plot:
         check_folder("--plot", Path(args.plot).expanduser().resolve().parent)   # before the sweep, not after
+    if args.timeline:
+        if not args.timeline.lower().endswith(".png"):
+            raise ValueError(f"--timeline writes a PNG: give a file name ending in .png, got {args.timeline!r}.")
+        check_folder("--timeline", Path(args.timeline).expanduser().resolve().parent)
     if not math.isfinite(args.gpu_mem_gib) or args.gpu_mem_gib <= 0:
         raise ValueError(f"--gpu-mem-gib is a GPU's memory in GiB, a positive number (e.g. 24), got {args.gpu_mem_gib}.")
     if args.shard_group_size is not None and args.shard_group_size < 1:
@@ -205,10 +220,13 @@ def estimate_command(args) -> int:
     setting = TrainSetting(model=resolve_model(args.model), world_size=world_sizes[0], lora_rank=args.lora_rank,
                            lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
                            batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,
-                           optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+                           optimizer=args.optimizer, activation_checkpointing=_checkpointing(args),
                            strategy=_strategy(args), shard_group_size=args.shard_group_size,
-                           cpu_offload=args.cpu_offload)
+                           cpu_offload=args.cpu_offload, attention=args.attention, loss_chunks=args.loss_chunks,
+                           embed_head_units=args.embed_head_units, use_cache=args.use_cache)
     if args.sweep or args.plot or len(seq_lens) * len(batch_sizes) * len(world_sizes) > 1:
+        if args.timeline:
+            raise ValueError("--timeline draws one setting's step: give one --seq-len, --batch-size and --world-size.")
         result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
                        gpu_mem_gib=args.gpu_mem_gib, workers=args.workers)
         if args.plot:
@@ -226,12 +244,18 @@ def estimate_command(args) -> int:
     else:
         print(report.table(gpu_mem_gib=args.gpu_mem_gib))
         print(f"  ({report.seconds:.1f} s on fake tensors)")
+    if args.timeline:
+        from .display import memory_over_step_figure
+
+        memory_over_step_figure(report, path=args.timeline)
+        if not args.json:
+            print(f"memory over the step: {args.timeline}")
     return 0
 
 
 def main(argv=None) -> int:
     from .models import MODELS
-    from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
+    from .settings import ATTENTIONS, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
 
     parser = argparse.ArgumentParser(prog="fsdplab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -279,7 +303,17 @@ def main(argv=None) -> int:
     est.add_argument("--base-dtype", default="fp32", choices=PRECISIONS,
                      help="storage dtype of the base weights (16-bit is how most LoRA runs load the frozen base)")
     est.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    est.add_argument("--activation-checkpointing", action="store_true")
+    est.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", metavar="MODE",
+                     help="recompute activations in backward: full (every block; the flag alone), K (every K-th "
+                          "block, e.g. 2), or selective (torchtitan's per-op policy)")
+    est.add_argument("--attention", default=None, choices=ATTENTIONS,
+                     help="transformers' attention: sdpa (its default), flash (flash_attention_2), or eager (stores "
+                          "the score matrices)")
+    est.add_argument("--loss-chunks", type=int, default=1, metavar="K",
+                     help="chunked cross-entropy over K pieces of the sequence, as torchtune's (default 1: plain)")
+    est.add_argument("--embed-head-units", action="store_true",
+                     help="the embedding and the output head as FSDP units of their own (as torchtitan wraps them)")
+    est.add_argument("--use-cache", action="store_true", help="keep transformers' KV cache on while training")
     est.add_argument("--strategy", choices=EXACT_STRATEGIES, default=None,
                      help="full_shard (default), shard_grad_op, hybrid_shard (sharded inside a node, replicated "
                           "across nodes) or ddp (every rank keeps everything)")
@@ -291,6 +325,8 @@ def main(argv=None) -> int:
     est.add_argument("--sweep", action="store_true", help="sweep output (table / JSON of points) even for one point")
     est.add_argument("--plot", metavar="FILE.png", help="write a heat map of the per-GPU peak (implies a sweep)")
     est.add_argument("--workers", type=int, default=2, help="estimates run in parallel during a sweep (default 2)")
+    est.add_argument("--timeline", metavar="FILE.png",
+                     help="write a figure of memory over one step by category, the peak marked (one setting)")
     est.add_argument("--json", action="store_true", help="print one JSON object")
 
     args = parser.parse_args(argv)

@@ -95,6 +95,48 @@ def _gpu_line(ax, labels, bottoms, gpu_mem_gib, card, highlight):
             fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
 
 
+def memory_over_step_figure(report, path=None, ax=None):
+    """`report.timeline` as a stacked area per category over the step's allocation events (forward, backward
+    and optimizer step shaded), the peak marked and named by its moment. Saved to `path` when given."""
+    import matplotlib.pyplot as plt
+
+    line = report.timeline
+    if not line or not line.get("phase"):
+        raise ValueError("this report has no memory-over-step record: it comes from an estimate or a measurement "
+                         "(memory.estimate / measure_setting), not from the formula or an older cached estimate.")
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9, 3.8))
+    unit, unit_name = unit_of([sum(line[c][i] for c in CATEGORIES) for i in range(len(line["phase"]))])
+    x = list(range(len(line["phase"])))
+    ax.stackplot(x, *[[v / unit for v in line[c]] for c in CATEGORIES], colors=[COLORS[c] for c in CATEGORIES],
+                 labels=[CATEGORY_LABELS[c] for c in CATEGORIES], alpha=0.9)
+    start = 0
+    shades = {"forward": "#ffffff", "backward": "#f0f0f0", "optimizer step": "#d8e4f0"}
+    for i in range(1, len(x) + 1):
+        if i == len(x) or line["phase"][i] != line["phase"][start]:
+            ax.axvspan(start - 0.5, i - 0.5, color=shades.get(line["phase"][start], "#ffffff"), zorder=-1)
+            if i - start >= 0.08 * len(x) or line["phase"][start] == "optimizer step":
+                ax.text((start + i) / 2, 0, line["phase"][start].replace("optimizer step", "optimizer\nstep"),
+                        ha="center", va="bottom", fontsize=8, color="#444")
+            start = i
+    totals = [sum(line[c][i] for c in CATEGORIES) for i in x]
+    top = max(x, key=totals.__getitem__)
+    m = report.peak_moment or {}
+    where = ", ".join(v for v in (m.get("phase"), m.get("module")) if v)
+    ax.annotate(f"peak {totals[top] / unit:.2f} {unit_name}" + (f"\n{where}" if where else ""),
+                xy=(top, totals[top] / unit), xytext=(0.02, 0.96), textcoords="axes fraction", va="top", fontsize=9,
+                arrowprops=dict(arrowstyle="->", color="black"))
+    ax.set_xlabel("allocation events through one training step")
+    ax.set_ylabel(unit_name)
+    ax.set_xlim(-0.5, len(x) - 0.5)
+    ax.set_title(f"{report.settings.get('model', '')}: memory over one step, per rank ({report.source})", fontsize=10)
+    ax.legend(loc="upper right", fontsize=8)
+    if fig is not None and path is not None:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig if fig is not None else ax.figure
+
+
 def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24.0):
     """Colour: the formula's peak per GPU (GiB); a cell with an exact estimate shows it in bold with a star.
     Cells over `gpu_gib` are hatched (does not fit)."""

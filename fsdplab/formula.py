@@ -136,8 +136,12 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     Korthikanti et al. s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations, where 5*a*s/h is the
     attention score matrices: flash / memory-efficient SDPA kernels (transformers' default, and what
     `estimate` runs) never store them, so `flash_attention=True` (the default) drops that term. With
-    checkpointing 2*s*b*h per layer is kept, plus one layer recomputed at a time. Plus the logits
-    s*b*vocab*(2 + 4 + 4) (16-bit logits, the fp32 copy the loss takes, the fp32 log-softmax).
+    checkpointing 2*s*b*h per layer is kept, plus one layer recomputed at a time (every k-th layer: the others
+    keep all; torchtitan's per-op policy: about half the Linear outputs and the attention output as well);
+    `use_cache` adds nothing (attention keeps the cached keys and values for backward anyway). Plus the logits
+    s*b*vocab*(2 + 4/k + 4) (16-bit logits, the fp32 copy the loss takes, of one chunk at a time with
+    k = loss_chunks, the fp32 log-softmax). `embed_head_units`: the root unit in flight is the larger of the
+    embedding and the head, not both.
     The categories are summed as if their peaks coincide, so the total is an upper estimate.
 
     `setting` is a TrainSetting; keyword `changes` replace its fields (or build one: formula(model="qwen-7b",
@@ -190,6 +194,10 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
             notes.append("shard_grad_op / whole-model wrapping keep every parameter unsharded between forward "
                          "and backward." if spec.is_transformer else "a parameter count has no blocks: "
                          "the whole model is one unit, gathered at once.")
+        elif setting.embed_head_units and not spec.tied:
+            # The root keeps the final norm; the embedding and the head are gathered one at a time.
+            largest = max(math.prod(s) for name, s in spec.root_shapes() if name != "norm")
+            in_flight = w * (spec.hidden + largest + 2 * block_numel)
         else:
             in_flight = w * (root_numel + 2 * block_numel)   # root unit + current and prefetched block
         params = sharded_params + in_flight
@@ -226,8 +234,21 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
         s, b, h, a, L = seq_len, batch_size, spec.hidden, spec.num_heads, spec.num_layers
         scale = w / 2                        # the paper counts 16-bit activations
         per_layer = s * b * h * (34 + (0 if flash_attention else 5 * a * s / h)) * scale
-        blocks = L * 2 * s * b * h * scale + per_layer if activation_checkpointing else L * per_layer
-        logits = s * b * spec.vocab * (w + 4 + 4)
+        every = setting.checkpointed_every
+        if activation_checkpointing == "selective":
+            # torchtitan's per-op policy keeps the block input, the attention output and every other matmul
+            # output: about half of all Linear outputs.
+            linear_out = sum(shape[0] for name, shape in spec.block_shapes() if not name.endswith(("bias", "norm")))
+            kept = 2 * s * b * h * scale + s * b * h * w + s * b * linear_out * w / 2
+            blocks = L * kept + per_layer
+        elif every is not None:
+            checkpointed = math.ceil(L / every)
+            blocks = checkpointed * 2 * s * b * h * scale + (L - checkpointed) * per_layer + per_layer
+        else:
+            blocks = L * per_layer
+        # The logits: 16-bit logits, the fp32 copy the loss takes (one chunk's at a time with chunked
+        # cross-entropy), the fp32 log-softmax the loss keeps for backward.
+        logits = s * b * spec.vocab * (w + 4 / setting.loss_chunks + 4)
         acts = int(blocks + logits)
         detail.update(activations_per_layer=int(per_layer), logits=int(logits))
     else:

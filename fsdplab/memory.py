@@ -23,6 +23,7 @@ import sys
 import time
 
 from . import estimate_cache
+from .allocator import allocator_view
 from ._torch_private import CATEGORIES
 from .report import CATEGORY_LABELS, MemoryReport
 from .settings import (EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice, setting_from_payload,
@@ -42,7 +43,9 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     """`steps` training steps under a tracker. Step 1 only creates the optimizer state; each later step's
     peak is recorded and the lowest is kept (identical on fake tensors; on CPU ranks gloo's worker thread
     sometimes frees a collective's buffer a moment late, which only ever adds). Returns
-    (peak, by_category, raw, category_peaks, live categories after backward, after the optimizer step).
+    (peak, by_category, raw, category_peaks, live categories after backward, after the optimizer step,
+    the moment of the peak {phase, module, op}, the memory over the reported step by category, what the CUDA
+    caching allocator would reserve for it).
 
     state_only_first (FSDP2 models; the estimator): step 1 does not run the model. It leaves behind what a
     real step 1 leaves for the next: FSDP2 settled as after its first forward (tracker.settle_fsdp) and the
@@ -82,12 +85,28 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
             # zero_grad has run: parameters and optimizer state are what they were right after the step
             snaps["step"] = tracker.current()
             if step > 0:
-                records.append((*tracker.peak(offload=offload), tracker.category_peaks(offload=offload)))
+                records.append((*tracker.peak(offload=offload), tracker.category_peaks(offload=offload),
+                                tracker.offload_peak_at if offload else tracker.peak_at,
+                                tracker.memory_over_step(offload), _reserved(tracker, offload)))
             if progress:
                 progress(f"step {step + 1}/{steps} done")
-    peak, by_category, raw, _ = min(records, key=lambda r: r[0])
+    peak, by_category, raw, _, moment, timeline, reserved = min(records, key=lambda r: r[0])
     category_peaks = {c: min(r[3][c] for r in records) for c in records[0][3]}
-    return peak, by_category, raw, category_peaks, snaps["backward"], snaps["step"]
+    return (peak, by_category, raw, category_peaks, snaps["backward"], snaps["step"], moment, timeline,
+            reserved)
+
+
+def _reserved(tracker, offload: bool) -> dict:
+    """What the CUDA caching allocator would reserve for the step just tracked (fsdplab.allocator), with and
+    without expandable segments; {} with cpu offload (the host's part of the log is not the GPU's)."""
+    from . import allocator
+
+    if offload or not tracker.alloc_log:
+        return {}
+    plain = allocator.replay(tracker.alloc_log, tracker.alloc_preloaded)
+    grown = allocator.replay(tracker.alloc_log, tracker.alloc_preloaded, expandable_segments=True)
+    return {"reserved": plain["reserved"], "reserved_expandable": grown["reserved"],
+            "allocated_peak": plain["allocated_peak"], "segments": plain["segments"]}
 
 
 def _optimizer_state_step(model, optimizer, batch, trained) -> None:
@@ -181,9 +200,14 @@ def _compute_estimate(setting: TrainSetting, say) -> MemoryReport:
     except _ParameterWithoutGradient:
         say("a trainable parameter gets no gradient: starting again with a full first step")
         run = _fake_steps(setting, config, say, state_only_first=False)
-    peak, by_category, raw, category_peaks, after_backward, after_step = run
-    notes = ["exact for this program on fake tensors; the CUDA context (~0.3-0.5 GiB), allocator "
-             "fragmentation and NCCL buffers come on top on a real GPU."]
+    peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, reserved = run
+    notes = ["exact active peak (live tensors) of this program, on fake tensors; a GPU reserves more (the caching "
+             "allocator's segments, modelled in 'on a GPU'), and nvidia-smi adds the CUDA context and NCCL buffers.",
+             "eager PyTorch is traced: under torch.compile, fused kernels keep fewer temporaries (not modelled)."]
+    if setting.attention_kind == "flash":
+        notes.append("flash attention traced as SDPA's memory-efficient kernel: neither stores the score matrix, "
+                     "and both keep the same output and log-sum-exp for backward.")
+
     if setting.cpu_offload:
         notes.append("cpu offload is modelled: sharded parameters, gradients and optimizer state are taken off "
                      "the device tally (FSDP2 CPUOffloadPolicy keeps them in host memory and steps the optimizer "
@@ -196,6 +220,7 @@ def _compute_estimate(setting: TrainSetting, say) -> MemoryReport:
     return MemoryReport(peak_bytes=int(peak), by_category=by_category, world_size=setting.world_size,
                         settings=setting.to_dict(), notes=notes, source="estimate",
                         resident=_resident(after_backward, after_step), detail=raw, category_peaks=category_peaks,
+                        peak_moment=moment, timeline=timeline, gpu_view=allocator_view(reserved, setting),
                         seconds=round(time.perf_counter() - t0, 2))
 
 
@@ -217,7 +242,7 @@ def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
     import torch
 
     from ._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
-    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, make_optimizer
+    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 
     with fake_process_group(setting.world_size):
         mesh = data_parallel_mesh(setting)
@@ -234,8 +259,8 @@ def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
             tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len))
             batch = {"input_ids": tokens, "labels": tokens}
             say("sharded; running two training steps")
-            return _run_steps(net, opt, batch, 2, progress=say, offload=setting.cpu_offload,
-                              state_only_first=state_only_first)
+            return _run_steps(net, opt, batch, 2, loss_fn=loss_for(setting), progress=say,
+                              offload=setting.cpu_offload, state_only_first=state_only_first)
 
 
 def _step_local_shards(optimizer) -> None:
@@ -322,7 +347,7 @@ def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryR
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    peak, by_category, raw, category_peaks, after_backward, after_step = _run_steps(
+    peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, _ = _run_steps(
         model, optimizer, batch, steps, loss_fn)
     notes = ["categories from torch's memory tracker (tensor storages, exact bytes on CPU)."]
     if on_gpu:
@@ -332,7 +357,8 @@ def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryR
     return MemoryReport(peak_bytes=int(peak), by_category=by_category, world_size=this_world_size(),
                         settings={"rank": this_rank(), "steps": steps},
                         notes=notes, source="measure", resident=_resident(after_backward, after_step),
-                        detail=raw, category_peaks=category_peaks, seconds=round(time.perf_counter() - t0, 2))
+                        detail=raw, category_peaks=category_peaks, peak_moment=moment, timeline=timeline,
+                        seconds=round(time.perf_counter() - t0, 2))
 
 
 def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, seed: int = 0,
@@ -344,7 +370,7 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
 
     from .dist import device, mesh
     from .models import config_of
-    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, make_optimizer
+    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 
     setting = as_setting(setting, **changes)
     check_choice("strategy (measured)", setting.strategy, EXACT_STRATEGIES)
@@ -358,7 +384,7 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
                         else data_parallel_mesh(setting, device().type))
     opt = make_optimizer(net, setting.optimizer)
     tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len), device=device())
-    report = measure(net, opt, {"input_ids": tokens, "labels": tokens}, steps=steps)
+    report = measure(net, opt, {"input_ids": tokens, "labels": tokens}, steps=steps, loss_fn=loss_for(setting))
     report.settings.update(setting.to_dict())
     return report
 

@@ -28,6 +28,9 @@ class MemoryReport:
     detail: dict = field(default_factory=dict)     # the tracker's own categories at the peak, or formula terms
     category_peaks: dict = field(default_factory=dict)  # each category's own maximum over the step
     seconds: float = 0.0
+    peak_moment: dict = field(default_factory=dict)   # where the step is at the peak: phase, module, op
+    timeline: dict = field(default_factory=dict)      # bytes per category over the reported step, and the phase
+    gpu_view: dict = field(default_factory=dict)      # reserved memory (allocator model) and nvidia-smi's view
 
     def fits(self, gpu_mem_gib: float, reserve_gib: float = 0.0) -> bool:
         """True if the peak fits in `gpu_mem_gib` GiB, keeping `reserve_gib` for the CUDA context and
@@ -55,6 +58,16 @@ class MemoryReport:
             share = value / self.peak_bytes if self.peak_bytes else 0.0
             lines.append(f"  {CATEGORY_LABELS[name]:<{width}}  {value / div:9.3f} {unit}  {share:6.1%}")
         lines.append(f"  {'peak':<{width}}  {self.peak_bytes / div:9.3f} {unit}")
+        if self.gpu_view:
+            g = self.gpu_view
+            lines.append(f"  on a GPU: reserved {g['reserved'] / div:.3f} {unit} (the caching allocator's segments; "
+                         f"{g['reserved_expandable_segments'] / div:.3f} {unit} with expandable_segments), "
+                         f"nvidia-smi about {g['nvidia_smi'] / div:.3f} {unit} (+ CUDA context and NCCL, assumed "
+                         f"{(g['cuda_context_assumed'] + g['nccl_assumed']) / div:.2f} {unit})")
+        if self.peak_moment:
+            m = self.peak_moment
+            lines.append(f"  peak at: {m.get('phase', '?')}" + (f", in {m['module']}" if m.get("module") else "")
+                         + (f", op {m['op']}" if m.get("op") else ""))
         if self.resident:
             lines.append("  resident shards: " + ", ".join(f"{k} {v / div:.3f} {unit}"
                                                           for k, v in self.resident.items()))

@@ -24,6 +24,7 @@ EXACT_STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "hybrid_shard")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LORA_TARGETS = ("all-linear", "attention")
+ATTENTIONS = ("sdpa", "flash", "eager")
 
 
 def torch_dtype(name: str):
@@ -68,16 +69,34 @@ class TrainSetting:
     # Tokens per sequence and sequences per rank per step (micro-batch).
     seq_len: int = 2048
     batch_size: int = 1
-    # Recompute each block's activations in backward instead of keeping them.
-    activation_checkpointing: bool = False
+    # Activation checkpointing (recompute in backward instead of keeping): False (none), True (every block),
+    # an int k (every k-th block, from the first, as torchtitan's `selective_ac_option = k`), or "selective"
+    # (torchtitan's per-op policy: every block keeps its attention outputs and every other matmul output).
+    activation_checkpointing: bool | int | str = False
     # FSDP: sharded parameters, gradients and optimizer state live in host memory (CPUOffloadPolicy).
     cpu_offload: bool = False
     # FSDP: one unit per transformer block (True) or the whole model as one unit.
     per_block: bool = True
     # hybrid_shard: ranks in one shard group (one node); None means min(world_size, 8).
     shard_group_size: int | None = None
-    # The attention kernel never stores the score matrix (flash / memory-efficient SDPA, transformers' default).
-    flash_attention: bool = True
+    # The attention implementation transformers runs: "sdpa" (its default; memory-efficient kernels that never
+    # store the score matrix), "flash" (flash_attention_2: the same memory; traced as sdpa where flash-attn is
+    # not installed) or "eager" (plain matmuls: the b*heads*s*s scores and softmax are stored). None: what the
+    # model's config names (config._attn_implementation), else sdpa.
+    attention: str | None = None
+    # The loss: 1 is plain cross-entropy on the whole logits (transformers' own, with its fp32 copy); k > 1
+    # applies the output head and the fp32 cross-entropy to k chunks of the sequence (torchtune's
+    # CEWithChunkedOutputLoss), so one chunk's fp32 copy exists at a time.
+    loss_chunks: int = 1
+    # FSDP: the input embedding and the output head as FSDP units of their own (torchtitan wraps them so),
+    # instead of in the root unit with the final norm.
+    embed_head_units: bool = False
+    # transformers' KV cache during the training forward (use_cache=True). Without checkpointing it costs no
+    # memory at the peak (attention keeps the same keys and values for backward). With checkpointing it is
+    # refused: the recomputed forward appends to the cache again, so the recomputed attention sees twice the
+    # keys (wrong gradients with SDPA, a shape error with eager); transformers turns it off under its own
+    # gradient checkpointing for this reason.
+    use_cache: bool = False
 
     def __post_init__(self):
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
@@ -112,6 +131,23 @@ class TrainSetting:
 
             raise ValueError(f"model must be a name ({'/'.join(MODELS)}), a transformers config or a "
                              f"parameter count; got {type(self.model).__name__}.")
+        if self.attention is not None:
+            check_choice("attention", self.attention, ATTENTIONS)
+        ac = self.activation_checkpointing
+        if ac is None or ac == "none" or (type(ac) is int and ac == 0):
+            object.__setattr__(self, "activation_checkpointing", False)
+        elif ac == "full" or (type(ac) is int and ac == 1):
+            object.__setattr__(self, "activation_checkpointing", True)
+        elif not (isinstance(ac, bool) or ac == "selective" or (isinstance(ac, int) and ac > 1)):
+            raise ValueError(f"activation_checkpointing must be False, True (every block), an int k > 1 (every "
+                             f"k-th block) or 'selective' (per-op), got {ac!r}.")
+        if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 1:
+            raise ValueError(f"loss_chunks must be a positive integer (1: plain cross-entropy; 8 is torchtune's "
+                             f"chunked loss), got {self.loss_chunks!r}.")
+        if self.use_cache and self.activation_checkpointing:
+            raise ValueError("use_cache=True with activation checkpointing: the recomputed forward appends to "
+                             "transformers' KV cache again and attends to twice the keys (wrong gradients). Keep "
+                             "use_cache=False when training with checkpointing, as transformers does.")
         if self.strategy == "hybrid_shard" and self.world_size % self.shards:
             raise ValueError(f"hybrid_shard needs world_size ({self.world_size}) to be a multiple of "
                              f"shard_group_size ({self.shards}).")
@@ -130,6 +166,25 @@ class TrainSetting:
     def reshard_after_forward(self) -> bool:
         """FSDP2's switch between FULL_SHARD (True) and SHARD_GRAD_OP (False)."""
         return self.strategy != "shard_grad_op"
+
+    @property
+    def attention_kind(self) -> str:
+        """`attention`, or where it is None the model config's own choice: "sdpa", "flash" or "eager"."""
+        if self.attention is not None:
+            return self.attention
+        named = getattr(self.model, "_attn_implementation", None) if hasattr(self.model, "hidden_size") else None
+        return {"flash_attention_2": "flash", "eager": "eager"}.get(named, "sdpa")
+
+    @property
+    def flash_attention(self) -> bool:
+        """Attention that never stores the score matrix (sdpa and flash do; eager does)."""
+        return self.attention_kind != "eager"
+
+    @property
+    def checkpointed_every(self) -> int | None:
+        """Every how many blocks one is checkpointed as a whole (1: all), or None (none, or per-op)."""
+        ac = self.activation_checkpointing
+        return None if ac is False or ac == "selective" else 1 if ac is True else ac
 
     @property
     def shards(self) -> int:

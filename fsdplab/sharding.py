@@ -9,6 +9,7 @@ wrapper needs a GPU (see the lessons for the FSDP1 -> FSDP2 mapping).
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import torch
@@ -65,24 +66,44 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, targets
         return get_peft_model(model, config)
 
 
-def apply_activation_checkpointing(model: nn.Module, blocks=None) -> None:
-    """Recompute each block in backward instead of storing its activations (non-reentrant, as torch advises)."""
-    from ._torch_private import checkpoint_wrapper_fn
+def apply_activation_checkpointing(model: nn.Module, blocks=None, *, every: int = 1, selective: bool = False) -> None:
+    """Recompute blocks in backward instead of storing their activations (non-reentrant, as torch advises):
+    every block, every `every`-th block (the first, the (1+every)-th, ...), or with `selective=True` every
+    block under torchtitan's per-op policy (`_torch_private.selective_checkpoint_context`)."""
+    import functools
 
+    from ._torch_private import checkpoint_wrapper_fn, selective_checkpoint_context
+
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive integer (1: every block), got {every!r}.")
     apply, wrapper = checkpoint_wrapper_fn()
-    targets = set(map(id, blocks if blocks is not None else blocks_of(model)))
+    if selective:
+        wrapper = functools.partial(wrapper, context_fn=selective_checkpoint_context)
+    chosen = list(blocks if blocks is not None else blocks_of(model))[::every]
+    targets = set(map(id, chosen))
     apply(model, check_fn=lambda m: id(m) in targets, checkpoint_wrapper_fn=wrapper)
+
+
+def checkpoint_setting(model: nn.Module, activation_checkpointing, blocks=None) -> None:
+    """A TrainSetting's `activation_checkpointing` (False, True, k or "selective") applied to `model`."""
+    ac = activation_checkpointing
+    if ac is False or ac is None:
+        return
+    apply_activation_checkpointing(model, blocks, every=1 if ac in (True, "selective") else ac,
+                                   selective=ac == "selective")
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, precision: str = "fp32",
                reduce_precision: str | None = None, cpu_offload: bool = False, per_block: bool = True,
-               blocks=None) -> nn.Module:
+               blocks=None, embed_head_units: bool = False) -> nn.Module:
     """fully_shard each block (so only one is gathered at a time), then the root for what is left.
 
     reshard_after_forward=True is FULL_SHARD (ZeRO-3); False is SHARD_GRAD_OP (ZeRO-2): parameters stay
     gathered from forward to backward, saving the backward all-gather at the cost of memory. None is
     fully_shard's own default: blocks reshard after forward, the root (resharded last anyway) does not. A 2-D
-    mesh (replicate, shard) is HSDP: sharded inside a node, replicated across nodes.
+    mesh (replicate, shard) is HSDP: sharded inside a node, replicated across nodes. embed_head_units: the
+    input embedding and the output head become units of their own (as torchtitan wraps them), so the root
+    keeps only the final norm; a model whose head shares the embedding's weight cannot split them.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -95,6 +116,15 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | None = T
     if per_block:
         for block in blocks if blocks is not None else blocks_of(model):
             fully_shard(block, **kwargs)
+    if embed_head_units:
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError("embed_head_units needs a model with input and output embeddings (a transformers LM).")
+        if head.weight is embed.weight:
+            raise ValueError("embed_head_units: this model ties its output head to its input embedding (one "
+                             "weight), which cannot be two FSDP units: keep them in the root unit.")
+        fully_shard(embed, **kwargs)
+        fully_shard(head, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
@@ -140,7 +170,7 @@ def apply_data_parallel(model: nn.Module, setting, mesh) -> nn.Module:
         raise ValueError(f"strategy {setting.strategy!r} has no FSDP2 implementation (ZeRO-1/2 are DeepSpeed's): "
                          "use ddp, shard_grad_op, full_shard or hybrid_shard.")
     return apply_fsdp(model, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
-                      per_block=setting.per_block)
+                      per_block=setting.per_block, embed_head_units=setting.embed_head_units)
 
 
 def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, **fsdp1_options) -> nn.Module:
@@ -217,21 +247,36 @@ def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=
         dtype = torch_dtype(dtype)
     if seed is not None:
         torch.manual_seed(seed)
+    attention = attention_implementation(setting.attention_kind, device)
     if model_path is not None and torch.device(device).type != "meta":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=trust_remote_code,
-                                                     **dtype_kwarg(dtype)).to(device)
+                                                     attn_implementation=attention, **dtype_kwarg(dtype)).to(device)
     else:
-        model = causal_lm(config_of(setting.model), device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    if getattr(model.config, "use_cache", False):
-        model.config.use_cache = False  # no KV cache while training: it would only hold memory
+        config = copy.deepcopy(config_of(setting.model))   # the caller's config stays as it was
+        config._attn_implementation = attention
+        model = causal_lm(config, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    if hasattr(model.config, "use_cache"):
+        # Off unless asked for: a KV cache while training only holds memory.
+        model.config.use_cache = setting.use_cache
     if setting.lora_rank is not None:
         model = apply_lora(model, setting.lora_rank, alpha=setting.lora_alpha, targets=setting.lora_targets,
                            dropout=lora_dropout, device=device)
-    if setting.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    checkpoint_setting(model, setting.activation_checkpointing)
     return model
+
+
+def attention_implementation(attention: str, device="meta") -> str:
+    """transformers' attn_implementation for a setting's `attention`: "flash" is flash_attention_2 where the
+    flash-attn package and a GPU are there, else "sdpa" (the same memory: neither stores the score matrix)."""
+    check_choice("attention", attention, ("sdpa", "flash", "eager"))
+    if attention != "flash":
+        return attention
+    import importlib.util
+
+    on_gpu = torch.device(device).type == "cuda"
+    return "flash_attention_2" if on_gpu and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
 def _fix_nonpersistent_buffers(model: nn.Module, device) -> None:
@@ -299,15 +344,53 @@ def make_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 1e-4, w
     return cls(params, lr=lr, weight_decay=weight_decay, foreach=foreach)
 
 
-def loss_of(model: nn.Module, batch) -> torch.Tensor:
+def loss_of(model: nn.Module, batch, chunks: int = 1) -> torch.Tensor:
     """The lab's one loss: a dict batch is a transformers model's keywords (it computes its own loss from
-    `labels`); a (tokens, targets) pair is next-token cross-entropy on logits taken to fp32."""
+    `labels`); a (tokens, targets) pair is next-token cross-entropy on logits taken to fp32.
+
+    chunks > 1 (a dict batch with labels): torchtune's chunked cross-entropy. The output head runs on `chunks`
+    pieces of the sequence, and each piece is taken to fp32 and through the cross-entropy on its own, so only
+    one piece's fp32 copy exists at a time; the mean over the tokens equals transformers' loss."""
     if isinstance(batch, dict):
-        return model(**batch).loss
+        if chunks == 1:
+            return model(**batch).loss
+        return _chunked_loss(model, batch, chunks)
     tokens, targets = batch
     # Call the wrapper's forward (not model.module): DDP only synchronises gradients it saw a forward for.
     logits = model(tokens)
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return _token_loss(logits, targets)
+
+
+def _token_loss(logits, targets, reduction="mean") -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                       reduction=reduction)
+
+
+def _chunked_loss(model: nn.Module, batch: dict, chunks: int) -> torch.Tensor:
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}.")
+    inputs = dict(batch)
+    labels = inputs.pop("labels")
+    head = model.get_output_embeddings()
+    plain = head.forward
+    # The head (in its FSDP unit: its hooks still gather the weight) returns the sequence's pieces, as
+    # torchtune's decoder with num_output_chunks does; transformers passes them through as `logits`.
+    head.forward = lambda hidden: [plain(piece) for piece in hidden.chunk(chunks, dim=1)]
+    try:
+        pieces = model(**inputs).logits
+    finally:
+        del head.forward
+    # transformers' causal shift: position i predicts label i + 1; the last position has none.
+    targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].chunk(chunks, dim=1)
+    total = sum(_token_loss(piece, target, "sum") for piece, target in zip(pieces, targets))
+    return total / (labels[:, 1:] != -100).sum().clamp(min=1)
+
+
+def loss_for(setting: TrainSetting):
+    """The loss function (model, batch) a setting's training step uses."""
+    if setting.loss_chunks == 1:
+        return None
+    return lambda model, batch: loss_of(model, batch, setting.loss_chunks)
 
 
 def train_step(model: nn.Module, optimizer, batch, *, loss_fn=None, scaler=None, counter=None,

@@ -145,10 +145,20 @@ class Sweep:
 def _describe(s: TrainSetting) -> str:
     parts = [f"LoRA r={s.lora_rank}" if s.lora_rank else "full fine-tune", s.strategy, f"{s.precision} compute",
              f"{s.base_dtype} base", s.optimizer]
-    if s.activation_checkpointing:
-        parts.append("checkpointing")
+    ac = s.activation_checkpointing
+    if ac:
+        parts.append("checkpointing" if ac is True else f"{ac} checkpointing" if ac == "selective"
+                     else f"checkpointing every {ac} blocks")
     if s.cpu_offload:
         parts.append("cpu offload")
+    if s.attention_kind != "sdpa":
+        parts.append(f"{s.attention_kind} attention")
+    if s.loss_chunks > 1:
+        parts.append(f"loss in {s.loss_chunks} chunks")
+    if s.embed_head_units:
+        parts.append("embedding and head as units")
+    if s.use_cache:
+        parts.append("KV cache on")
     return ", ".join(parts)
 
 

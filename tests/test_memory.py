@@ -38,7 +38,7 @@ def test_model_state_bytes_per_parameter():
 def test_activation_model_is_korthikanti():
     s, b = 2048, 1
     spec = spec_of("qwen-7b")
-    report = formula(model="qwen-7b", world_size=8, seq_len=s, batch_size=b, flash_attention=False)
+    report = formula(model="qwen-7b", world_size=8, seq_len=s, batch_size=b, attention="eager")
     h, a = spec.hidden, spec.num_heads
     assert report.detail["activations_per_layer"] == int(s * b * h * (34 + 5 * a * s / h))
     # Flash / SDPA kernels never store the a*s*s score matrices: the 5*a*s/h term goes.
@@ -139,7 +139,9 @@ def _close(a, b, rel=0.02):
 
 
 @pytest.mark.parametrize("setting", [dict(), dict(lora_rank=8), dict(activation_checkpointing=True),
-                                     dict(strategy="ddp", precision="fp32")])
+                                     dict(strategy="ddp", precision="fp32"), dict(attention="eager"),
+                                     dict(loss_chunks=4), dict(activation_checkpointing="selective"),
+                                     dict(activation_checkpointing=2), dict(use_cache=True), dict(embed_head_units=True)])
 def test_estimate_matches_live_ranks_per_category(cluster, setting):
     est = estimate(model="tiny", world_size=2, seq_len=64, progress=False, **setting)
     for report in cluster.run(measure_setting, model="tiny", world_size=2, seq_len=64, **setting):

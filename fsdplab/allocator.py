@@ -1,0 +1,207 @@
+"""A model of PyTorch's CUDA caching allocator: replay a step's allocations and frees, get *reserved* memory.
+
+The exact estimate is the allocator's *active* peak (the bytes of live tensors). What `torch.cuda.max_memory_reserved`
+reports, and most published figures, is higher: the allocator rounds every request, carves them out of segments it
+obtained from cudaMalloc, and keeps freed blocks cached for reuse instead of returning them. This module follows
+the rules of c10/cuda/CUDACachingAllocator.cpp (the constants are those of c10/core/AllocatorConfig.h):
+
+- every request is rounded up to a multiple of 512 bytes;
+- requests up to 1 MiB come from the small pool, whose segments are 2 MiB; larger ones from the large pool, whose
+  segments are 20 MiB for requests under 10 MiB, and the request rounded up to 2 MiB above;
+- a request takes the smallest cached block of its pool and stream that fits (best fit), split when the rest is
+  at least 512 bytes (small pool) or more than 1 MiB (large pool); only when none fits is a new segment reserved;
+- a freed block merges with free neighbours of its segment and stays cached: reserved memory never shrinks
+  (no `empty_cache`, and no out-of-memory retry, which would free cached segments first);
+- blocks belong to the stream that allocated them. FSDP2 allocates its all-gather and reduce-scatter buffers on
+  streams of their own, so a traced tensor's category decides its stream here (see `STREAM_OF`);
+- `expandable_segments=True` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): one segment per pool and stream
+  that grows at its end, in 2 MiB pages (small pool) or 20 MiB pages (large pool), and blocks split at 512 bytes.
+
+Not modelled: `max_split_size_mb`, `roundup_power2_divisions`, the garbage-collection threshold, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+
+MIN_BLOCK = 512                    # kMinBlockSize
+SMALL_SIZE = 1 << 20               # kSmallSize: the largest small-pool request
+SMALL_BUFFER = 2 << 20             # kSmallBuffer: small-pool segment
+LARGE_BUFFER = 20 << 20            # kLargeBuffer: segment for requests between 1 and 10 MiB
+MIN_LARGE_ALLOC = 10 << 20         # kMinLargeAlloc
+ROUND_LARGE = 2 << 20              # kRoundLarge
+
+# The stream a traced tensor's tracker category was allocated on, under FSDP2 on a GPU: the all-gather output
+# on the all-gather stream, the reduce-scatter buffers on the reduce-scatter stream, all else on the default one.
+STREAM_OF = {"All Gather": 1, "Reduce Scatter": 2}
+
+
+def round_size(size: int) -> int:
+    return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * math.ceil(size / MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """cudaMalloc's size for a (rounded) request that no cached block fits."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * math.ceil(size / ROUND_LARGE)
+
+
+class _Block:
+    __slots__ = ("segment", "offset", "size", "free", "prev", "next", "pool")
+
+    def __init__(self, segment, offset, size, pool):
+        self.segment, self.offset, self.size, self.pool = segment, offset, size, pool
+        self.free, self.prev, self.next = True, None, None
+
+    def key(self):
+        return (self.size, self.segment, self.offset)
+
+
+class CachingAllocator:
+    """Replays malloc / free. `reserved` and `allocated` (bytes, rounded as the allocator rounds), and their peaks."""
+
+    def __init__(self, expandable_segments: bool = False):
+        self.expandable = expandable_segments
+        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
+        self.segments = 0
+        self._free = {}          # (stream, small?) -> sorted [(size, segment, offset)]
+        self._by_key = {}        # (size, segment, offset) -> free block
+        self._live = {}          # caller's key -> allocated block
+        self._tail = {}          # expandable: (stream, small?) -> (segment, mapped bytes, last block)
+        self._ids = itertools.count()
+
+    # -- the free lists
+    def _add_free(self, block):
+        block.free = True
+        bisect.insort(self._free.setdefault(block.pool, []), block.key())
+        self._by_key[block.key()] = block
+
+    def _drop_free(self, block):
+        free = self._free[block.pool]
+        del free[bisect.bisect_left(free, block.key())]
+        del self._by_key[block.key()]
+
+    def malloc(self, key, nbytes: int, stream: int = 0) -> int:
+        """Allocate `nbytes` for `key` (any hashable id); returns the rounded size."""
+        if key in self._live:
+            raise ValueError(f"{key!r} is allocated already: free it first.")
+        size = round_size(nbytes)
+        pool = (stream, size <= SMALL_SIZE)
+        free = self._free.get(pool, [])
+        at = bisect.bisect_left(free, (size, -1, -1))
+        if at < len(free):
+            block = self._by_key[free[at]]
+            self._drop_free(block)
+        else:
+            block = self._new_block(pool, size)
+        rest = block.size - size
+        if rest >= MIN_BLOCK if (pool[1] or self.expandable) else rest > SMALL_SIZE:
+            tail = _Block(block.segment, block.offset + size, rest, pool)
+            tail.prev, tail.next = block, block.next
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, size
+            self._add_free(tail)
+            if self.expandable and tail.next is None:
+                segment, mapped, _ = self._tail[pool]
+                self._tail[pool] = (segment, mapped, tail)
+        block.free = False
+        self._live[key] = block
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block.size
+
+    def _new_block(self, pool, size):
+        if not self.expandable:
+            segment = segment_size(size)
+            self.reserved += segment
+            self.segments += 1
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            return _Block(next(self._ids), 0, segment, pool)
+        # One growing segment per pool: extend it (the free block at its end, if any, grows into the new pages).
+        page = SMALL_BUFFER if pool[1] else LARGE_BUFFER
+        segment, mapped, last = self._tail.get(pool, (None, 0, None))
+        if segment is None:
+            segment = next(self._ids)
+            self.segments += 1
+        have = last.size if last is not None and last.free else 0
+        grow = page * math.ceil((size - have) / page)
+        self.reserved += grow
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if have:
+            self._drop_free(last)
+            last.size += grow
+            block = last
+        else:
+            block = _Block(segment, mapped, grow, pool)
+            block.prev = last
+            if last is not None:
+                last.next = block
+        self._tail[pool] = (segment, mapped + grow, block)
+        return block
+
+    def free(self, key) -> None:
+        block = self._live.pop(key)
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._drop_free(neighbour)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        if self.expandable and block.next is None:
+            segment, mapped, _ = self._tail[block.pool]
+            if segment == block.segment:
+                self._tail[block.pool] = (segment, mapped, block)
+        self._add_free(block)
+
+
+def replay(events, preloaded: int = 0, expandable_segments: bool = False) -> dict:
+    """Replay one training step's events, [("+", key, bytes, stream) | ("-", key)], through the model, twice:
+    the first `preloaded` events allocate what was alive when the step began; the second pass (the next step)
+    finds the blocks the first one cached, as every step after the first does. A free of a key this pass did
+    not allocate frees the previous pass's (what the step before left alive); one of a key never allocated is
+    ignored. Returns {"reserved": bytes, "allocated_peak": bytes, "segments": count}."""
+    alloc = CachingAllocator(expandable_segments)
+    for n, todo in ((1, events), (2, events[preloaded:])):
+        for event in todo:
+            if event[0] == "+":
+                alloc.malloc((n, event[1]), event[2], event[3] if len(event) > 3 else 0)
+            elif (n, event[1]) in alloc._live:
+                alloc.free((n, event[1]))
+            elif (n - 1, event[1]) in alloc._live:
+                alloc.free((n - 1, event[1]))
+    return {"reserved": alloc.reserved, "allocated_peak": alloc.peak_allocated, "segments": alloc.segments}
+
+
+# What nvidia-smi shows beyond the allocator's reserved memory. Both are assumptions, not measured here: the CUDA
+# context with torch's kernels loaded lazily (0.3-0.6 GiB by GPU and driver), and NCCL's buffers for one process
+# group (per channel and peer, NCCL_BUFFSIZE = 4 MiB for the Simple protocol plus the LL and LL128 buffers: about
+# 0.5 GiB for 8 GPUs on NVLink; none for one rank). tests/gpu/test_memory.py measures both where a GPU is lent.
+CUDA_CONTEXT_BYTES = 512 << 20
+NCCL_BYTES = 512 << 20
+
+
+def allocator_view(replayed: dict, setting=None) -> dict:
+    """A report's `gpu_view`: reserved memory with and without expandable segments (replayed), and what
+    nvidia-smi would show on top (assumed context and NCCL figures)."""
+    if not replayed:
+        return {}
+    nccl = NCCL_BYTES if setting is None or setting.world_size > 1 else 0
+    return {"reserved": replayed["reserved"], "reserved_expandable_segments": replayed["reserved_expandable"],
+            "cuda_context_assumed": CUDA_CONTEXT_BYTES, "nccl_assumed": nccl,
+            "nvidia_smi": replayed["reserved"] + CUDA_CONTEXT_BYTES + nccl,
+            "segments": replayed["segments"], "allocated_peak_rounded": replayed["allocated_peak"]}
