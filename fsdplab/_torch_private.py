@@ -433,10 +433,15 @@ class _PeakTracker:
             serial = winfo.fsdplab_serial = next(self._serials)
         return serial
 
-    def _malloc_event(self, winfo) -> tuple:
+    def _malloc_event(self, winfo, where: bool = True) -> tuple:
         from .allocator import STREAM_OF
 
-        return ("+", self._serial(winfo), winfo.mem_consumed, STREAM_OF.get(getattr(winfo.reftype, "value", ""), 0))
+        kind = getattr(winfo.reftype, "value", "")
+        label = kind
+        if where:
+            moment = self._moment()
+            label = f"{kind}, {moment['phase']}" + (f", {moment['module']}" if moment["module"] else "")
+        return ("+", self._serial(winfo), winfo.mem_consumed, STREAM_OF.get(kind, 0), label)
 
     def start_alloc_log(self) -> None:
         """Log allocations and frees from now on, beginning with what is alive now (in the tracker's order)."""
@@ -444,7 +449,7 @@ class _PeakTracker:
 
         self._serials = self._serials or itertools.count()
         alive = [w for w, _ in self._WINFO.values() if w.mem_consumed]
-        self.alloc_log = [self._malloc_event(w) for w in alive]
+        self.alloc_log = [self._malloc_event(w, where=False) for w in alive]
         self.alloc_preloaded = len(self.alloc_log)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

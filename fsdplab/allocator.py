@@ -69,6 +69,10 @@ class CachingAllocator:
         self.expandable = expandable_segments
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
         self.segments = 0
+        self.record = False      # keep a trace for PyTorch's memory visualizer (`snapshot`)
+        self.trace = []
+        self._segment_info = {}  # segment -> [address, mapped size, stream, small?, first block]
+        self._next_address = 0x7F0000000000
         self._free = {}          # (stream, small?) -> sorted [(size, segment, offset)]
         self._by_key = {}        # (size, segment, offset) -> free block
         self._live = {}          # caller's key -> allocated block
@@ -86,8 +90,24 @@ class CachingAllocator:
         del free[bisect.bisect_left(free, block.key())]
         del self._by_key[block.key()]
 
-    def malloc(self, key, nbytes: int, stream: int = 0) -> int:
-        """Allocate `nbytes` for `key` (any hashable id); returns the rounded size."""
+    def _event(self, action, block_or_address, size, stream, label=None):
+        address = (block_or_address if isinstance(block_or_address, int)
+                   else self._segment_info[block_or_address.segment][0] + block_or_address.offset)
+        frames = [{"filename": label, "line": 0, "name": label}] if label else []
+        self.trace.append({"action": action, "addr": address, "size": size, "stream": stream, "frames": frames,
+                           "time_us": len(self.trace)})
+
+    def _segment(self, pool, size):
+        """A new segment (its id), placed at the next free address."""
+        segment = next(self._ids)
+        span = (1 << 40) if self.expandable else size
+        self._segment_info[segment] = [self._next_address, size, pool[0], pool[1], None]
+        self._next_address += span
+        self.segments += 1
+        return segment
+
+    def malloc(self, key, nbytes: int, stream: int = 0, label=None) -> int:
+        """Allocate `nbytes` for `key` (any hashable id); returns the rounded size. `label` names it in a trace."""
         if key in self._live:
             raise ValueError(f"{key!r} is allocated already: free it first.")
         size = round_size(nbytes)
@@ -114,25 +134,32 @@ class CachingAllocator:
         self._live[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.record:
+            self._event("alloc", block, block.size, stream, label)
         return block.size
 
     def _new_block(self, pool, size):
         if not self.expandable:
-            segment = segment_size(size)
-            self.reserved += segment
-            self.segments += 1
+            total = segment_size(size)
+            self.reserved += total
             self.peak_reserved = max(self.peak_reserved, self.reserved)
-            return _Block(next(self._ids), 0, segment, pool)
+            block = _Block(self._segment(pool, total), 0, total, pool)
+            self._segment_info[block.segment][4] = block
+            if self.record:
+                self._event("segment_alloc", self._segment_info[block.segment][0], total, pool[0])
+            return block
         # One growing segment per pool: extend it (the free block at its end, if any, grows into the new pages).
         page = SMALL_BUFFER if pool[1] else LARGE_BUFFER
         segment, mapped, last = self._tail.get(pool, (None, 0, None))
         if segment is None:
-            segment = next(self._ids)
-            self.segments += 1
+            segment = self._segment(pool, 0)
         have = last.size if last is not None and last.free else 0
         grow = page * math.ceil((size - have) / page)
         self.reserved += grow
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self._segment_info[segment][1] += grow
+        if self.record:
+            self._event("segment_map", self._segment_info[segment][0] + mapped, grow, pool[0])
         if have:
             self._drop_free(last)
             last.size += grow
@@ -142,12 +169,17 @@ class CachingAllocator:
             block.prev = last
             if last is not None:
                 last.next = block
+            else:
+                self._segment_info[segment][4] = block
         self._tail[pool] = (segment, mapped + grow, block)
         return block
 
     def free(self, key) -> None:
         block = self._live.pop(key)
         self.allocated -= block.size
+        if self.record:
+            for action in ("free_requested", "free_completed"):
+                self._event(action, block, block.size, block.pool[0])
         for neighbour in (block.prev, block.next):
             if neighbour is not None and neighbour.free:
                 self._drop_free(neighbour)
@@ -169,22 +201,54 @@ class CachingAllocator:
         self._add_free(block)
 
 
-def replay(events, preloaded: int = 0, expandable_segments: bool = False) -> dict:
+    def snapshot(self, labels: dict | None = None) -> dict:
+        """The allocator's state in the format of `torch.cuda.memory._snapshot()`: every segment with its blocks,
+        and the trace of the recorded events. PyTorch's memory visualizer (pytorch.org/memory_viz) opens it,
+        pickled; `torch.cuda._memory_viz` reads it too."""
+        labels = labels or {}
+        names = {id(block): key for key, block in self._live.items()}
+        segments = []
+        for segment, (address, total, stream, small, first) in self._segment_info.items():
+            blocks, block, active = [], first, 0
+            while block is not None:
+                label = labels.get(names.get(id(block)))
+                blocks.append({"address": address + block.offset, "size": block.size, "requested_size": block.size,
+                               "state": "inactive" if block.free else "active_allocated",
+                               "frames": [{"filename": label, "line": 0, "name": label}] if label else []})
+                active += 0 if block.free else block.size
+                block = block.next
+            segments.append({"device": 0, "address": address, "total_size": total, "allocated_size": active,
+                             "active_size": active, "requested_size": active, "stream": stream,
+                             "segment_type": "small" if small else "large", "segment_pool_id": (0, 0),
+                             "is_expandable": self.expandable, "frames": [], "blocks": blocks})
+        return {"segments": segments, "device_traces": [self.trace],
+                "allocator_settings": {"expandable_segments": self.expandable, "model": "fsdplab.allocator"}}
+
+
+def replay(events, preloaded: int = 0, expandable_segments: bool = False, snapshot: bool = False) -> dict:
     """Replay one training step's events, [("+", key, bytes, stream) | ("-", key)], through the model, twice:
     the first `preloaded` events allocate what was alive when the step began; the second pass (the next step)
     finds the blocks the first one cached, as every step after the first does. A free of a key this pass did
     not allocate frees the previous pass's (what the step before left alive); one of a key never allocated is
-    ignored. Returns {"reserved": bytes, "allocated_peak": bytes, "segments": count}."""
+    ignored. An event's fifth item, if any, labels it in the trace. Returns {"reserved": bytes, "allocated_peak":
+    bytes, "segments": count}, and with `snapshot` the memory visualizer's snapshot of the second pass."""
     alloc = CachingAllocator(expandable_segments)
+    labels = {}
     for n, todo in ((1, events), (2, events[preloaded:])):
+        alloc.record = snapshot and n == 2
         for event in todo:
             if event[0] == "+":
-                alloc.malloc((n, event[1]), event[2], event[3] if len(event) > 3 else 0)
+                label = event[4] if len(event) > 4 else None
+                alloc.malloc((n, event[1]), event[2], event[3] if len(event) > 3 else 0, label)
+                labels[(n, event[1])] = label
             elif (n, event[1]) in alloc._live:
                 alloc.free((n, event[1]))
             elif (n - 1, event[1]) in alloc._live:
                 alloc.free((n - 1, event[1]))
-    return {"reserved": alloc.reserved, "allocated_peak": alloc.peak_allocated, "segments": alloc.segments}
+    result = {"reserved": alloc.reserved, "allocated_peak": alloc.peak_allocated, "segments": alloc.segments}
+    if snapshot:
+        result["snapshot"] = alloc.snapshot(labels)
+    return result
 
 
 # What nvidia-smi shows beyond the allocator's reserved memory. Both are assumptions, not measured here: the CUDA

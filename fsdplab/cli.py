@@ -212,6 +212,8 @@ def estimate_command(args) -> int:
         if not args.timeline.lower().endswith(".png"):
             raise ValueError(f"--timeline writes a PNG: give a file name ending in .png, got {args.timeline!r}.")
         check_folder("--timeline", Path(args.timeline).expanduser().resolve().parent)
+    if args.memory_snapshot:
+        check_folder("--memory-snapshot", Path(args.memory_snapshot).expanduser().resolve().parent)
     if not math.isfinite(args.gpu_mem_gib) or args.gpu_mem_gib <= 0:
         raise ValueError(f"--gpu-mem-gib is a GPU's memory in GiB, a positive number (e.g. 24), got {args.gpu_mem_gib}.")
     if args.shard_group_size is not None and args.shard_group_size < 1:
@@ -225,8 +227,9 @@ def estimate_command(args) -> int:
                            cpu_offload=args.cpu_offload, attention=args.attention, loss_chunks=args.loss_chunks,
                            embed_head_units=args.embed_head_units, use_cache=args.use_cache)
     if args.sweep or args.plot or len(seq_lens) * len(batch_sizes) * len(world_sizes) > 1:
-        if args.timeline:
-            raise ValueError("--timeline draws one setting's step: give one --seq-len, --batch-size and --world-size.")
+        if args.timeline or args.memory_snapshot:
+            raise ValueError("--timeline and --memory-snapshot show one setting's step: give one --seq-len, "
+                             "--batch-size and --world-size.")
         result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
                        gpu_mem_gib=args.gpu_mem_gib, workers=args.workers)
         if args.plot:
@@ -236,7 +239,12 @@ def estimate_command(args) -> int:
             print(f"heat map: {args.plot}")
         return 0
     check(setting)
-    report = estimate(setting, progress=not args.json)
+    if args.memory_snapshot:
+        from .memory import memory_snapshot
+
+        report = memory_snapshot(setting, args.memory_snapshot, progress=not args.json)
+    else:
+        report = estimate(setting, progress=not args.json)
     if args.json:
         data = report.to_dict()
         data.update(gpu_mem_gib=args.gpu_mem_gib, fits=report.fits(args.gpu_mem_gib))
@@ -327,6 +335,8 @@ def main(argv=None) -> int:
     est.add_argument("--workers", type=int, default=2, help="estimates run in parallel during a sweep (default 2)")
     est.add_argument("--timeline", metavar="FILE.png",
                      help="write a figure of memory over one step by category, the peak marked (one setting)")
+    est.add_argument("--memory-snapshot", metavar="FILE.pickle",
+                     help="write the step as PyTorch's memory visualizer reads it (pytorch.org/memory_viz; one setting)")
     est.add_argument("--json", action="store_true", help="print one JSON object")
 
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from . import estimate_cache
 from .allocator import allocator_view
@@ -87,24 +88,25 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
             if step > 0:
                 records.append((*tracker.peak(offload=offload), tracker.category_peaks(offload=offload),
                                 tracker.offload_peak_at if offload else tracker.peak_at,
-                                tracker.memory_over_step(offload), _reserved(tracker, offload)))
+                                tracker.memory_over_step(offload),
+                                None if offload else (tracker.alloc_log, tracker.alloc_preloaded)))
             if progress:
                 progress(f"step {step + 1}/{steps} done")
-    peak, by_category, raw, _, moment, timeline, reserved = min(records, key=lambda r: r[0])
+    peak, by_category, raw, _, moment, timeline, alloc_log = min(records, key=lambda r: r[0])
     category_peaks = {c: min(r[3][c] for r in records) for c in records[0][3]}
     return (peak, by_category, raw, category_peaks, snaps["backward"], snaps["step"], moment, timeline,
-            reserved)
+            alloc_log)
 
 
-def _reserved(tracker, offload: bool) -> dict:
-    """What the CUDA caching allocator would reserve for the step just tracked (fsdplab.allocator), with and
-    without expandable segments; {} with cpu offload (the host's part of the log is not the GPU's)."""
+def _reserved(alloc_log) -> dict:
+    """What the CUDA caching allocator would reserve for the step tracked (fsdplab.allocator), with and without
+    expandable segments; {} without a log (cpu offload: the host's part of the log is not the GPU's)."""
     from . import allocator
 
-    if offload or not tracker.alloc_log:
+    if not alloc_log or not alloc_log[0]:
         return {}
-    plain = allocator.replay(tracker.alloc_log, tracker.alloc_preloaded)
-    grown = allocator.replay(tracker.alloc_log, tracker.alloc_preloaded, expandable_segments=True)
+    plain = allocator.replay(*alloc_log)
+    grown = allocator.replay(*alloc_log, expandable_segments=True)
     return {"reserved": plain["reserved"], "reserved_expandable": grown["reserved"],
             "allocated_peak": plain["allocated_peak"], "segments": plain["segments"]}
 
@@ -187,7 +189,33 @@ def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -
     return report
 
 
-def _compute_estimate(setting: TrainSetting, say) -> MemoryReport:
+def memory_snapshot(setting: TrainSetting | None = None, path="estimate_snapshot.pickle", /, *, progress=True,
+                    **changes) -> MemoryReport:
+    """`estimate(setting)`, made afresh (not from the cache), that also writes the traced step as the caching
+    allocator model replays it to `path`, in the format of `torch.cuda.memory._snapshot()`: open it in PyTorch's
+    memory visualizer (pytorch.org/memory_viz, drag the file in) beside a snapshot of your own run. Each
+    allocation is labelled with its kind, the phase and the module that made it."""
+    setting = as_setting(setting, **changes)
+    check_choice("strategy (exact estimates)", setting.strategy, EXACT_STRATEGIES)
+    if setting.cpu_offload:
+        raise ValueError("a memory snapshot needs the GPU's allocations: cpu_offload moves part of them to the host.")
+    say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}")
+    return _compute_estimate(setting, say, snapshot_path=path)
+
+
+def _write_snapshot(alloc_log, path, say) -> None:
+    import pickle
+
+    from . import allocator
+    from .safe_files import atomic_write_bytes
+
+    snapshot = allocator.replay(*alloc_log, snapshot=True)["snapshot"]
+    atomic_write_bytes(Path(path), pickle.dumps(snapshot))
+    say(f"memory snapshot written to {path} ({len(snapshot['device_traces'][0])} events, "
+        f"{len(snapshot['segments'])} segments): open it at pytorch.org/memory_viz")
+
+
+def _compute_estimate(setting: TrainSetting, say, snapshot_path=None) -> MemoryReport:
     import warnings
 
     from .models import config_of
@@ -200,7 +228,10 @@ def _compute_estimate(setting: TrainSetting, say) -> MemoryReport:
     except _ParameterWithoutGradient:
         say("a trainable parameter gets no gradient: starting again with a full first step")
         run = _fake_steps(setting, config, say, state_only_first=False)
-    peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, reserved = run
+    peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, alloc_log = run
+    reserved = _reserved(alloc_log)
+    if snapshot_path is not None:
+        _write_snapshot(alloc_log, snapshot_path, say)
     notes = ["exact active peak (live tensors) of this program, on fake tensors; a GPU reserves more (the caching "
              "allocator's segments, modelled in 'on a GPU'), and nvidia-smi adds the CUDA context and NCCL buffers.",
              "eager PyTorch is traced: under torch.compile, fused kernels keep fewer temporaries (not modelled)."]

@@ -47,6 +47,14 @@ class MemoryReport:
     def from_dict(cls, data: dict) -> "MemoryReport":
         return cls(**data)
 
+    def phase_peaks(self) -> dict:
+        """The highest bytes in each phase of the step (forward, backward, optimizer step, ...), from the timeline."""
+        line, peaks = self.timeline, {}
+        for i, phase in enumerate(line.get("phase", [])):
+            total = sum(line[c][i] for c in CATEGORIES)
+            peaks[phase] = max(peaks.get(phase, 0), total)
+        return peaks
+
     def table(self, gpu_mem_gib: float | None = None) -> str:
         """A readable per-category table (GiB), the peak and, with `gpu_mem_gib`, whether it fits."""
         settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
@@ -68,6 +76,9 @@ class MemoryReport:
             m = self.peak_moment
             lines.append(f"  peak at: {m.get('phase', '?')}" + (f", in {m['module']}" if m.get("module") else "")
                          + (f", op {m['op']}" if m.get("op") else ""))
+            phases = {k: v for k, v in self.phase_peaks().items() if k in ("forward", "backward", "optimizer step")}
+            if phases:
+                lines.append("  highest per phase: " + ", ".join(f"{k} {v / div:.3f} {unit}" for k, v in phases.items()))
         if self.resident:
             lines.append("  resident shards: " + ", ".join(f"{k} {v / div:.3f} {unit}"
                                                           for k, v in self.resident.items()))

@@ -92,3 +92,25 @@ def test_an_estimate_reports_reserved_memory_above_its_active_peak():
     assert view["reserved"] >= view["allocated_peak_rounded"] and view["reserved"] % (2 * MiB) == 0
     assert view["nvidia_smi"] == view["reserved"] + view["cuda_context_assumed"] + view["nccl_assumed"]
     assert "on a GPU: reserved" in report.table()
+
+
+def test_the_memory_visualizer_snapshot_reads_back_through_torchs_own_parser(tmp_path):
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    from fsdplab.cli import main
+    from fsdplab.memory import memory_snapshot
+
+    path = tmp_path / "step.pickle"
+    report = memory_snapshot(None, path, model="tiny", world_size=2, seq_len=128, progress=False)
+    data = pickle.loads(path.read_bytes())
+    assert sum(seg["total_size"] for seg in data["segments"]) == report.gpu_view["reserved"]
+    summary = _memory_viz.segsum(data)            # checks that every segment's blocks add up to its size
+    assert f"segments: {len(data['segments'])}" in summary
+    trace = data["device_traces"][0]
+    assert {e["action"] for e in trace} >= {"alloc", "free_requested", "free_completed"}
+    assert "entries" in _memory_viz.trace(data)
+    labels = {f["name"] for e in trace for f in e["frames"]}
+    assert any(label.startswith("Activation, forward") for label in labels), sorted(labels)[:5]
+    assert main(["estimate", "--model", "tiny", "--seq-len", "32,64", "--memory-snapshot", str(path)]) == 2

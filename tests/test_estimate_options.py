@@ -137,6 +137,8 @@ def test_the_report_says_where_the_peak_falls_and_draws_the_step(peaks, tmp_path
     # At this sequence length the peak is in backward at the loss: the fp32 logits are alive, no block's
     # gradient exists yet.
     assert report.peak_moment["phase"] == "backward" and report.peak_moment["op"].startswith("aten.")
+    assert report.by_category["gradients"] == 0 and max(report.phase_peaks().values()) == report.peak_bytes
+    assert report.phase_peaks()["optimizer step"] < report.peak_bytes
     assert "peak at: backward" in report.table()
     png = tmp_path / "step.png"
     assert main(["estimate", "--model", "tiny", "--world-size", "2", "--seq-len", "32", "--timeline", str(png)]) == 0
