@@ -399,13 +399,21 @@ class _PeakTracker:
         # then (the memory-over-step figure); the moment of the peak (and of the peak left on the device).
         self._op, self.timeline, self.peak_at, self.offload_peak_at = None, [], {}, {}
 
+    # Label each allocation of the log with its phase and module (a memory snapshot's frames): off by default,
+    # it costs a tenth of an estimate.
+    label_allocations = False
+
+    def _phase(self) -> str:
+        if getattr(self, "_in_opt", False):
+            return "optimizer step"
+        if getattr(self._mod_tracker, "is_bw", False):
+            return "backward"
+        return "forward" if len(getattr(self._mod_tracker, "parents", ())) > 1 else "between (zero_grad, hooks)"
+
     def _moment(self) -> dict:
         parents = [p for p in getattr(self._mod_tracker, "parents", ()) if p != "Global"]
-        phase = ("optimizer step" if getattr(self, "_in_opt", False) else
-                 "backward" if getattr(self._mod_tracker, "is_bw", False) else
-                 "forward" if parents else "between (zero_grad, hooks)")
         module = max(parents, key=lambda p: (p.count("."), len(p))) if parents else ""
-        return {"phase": phase, "module": module.partition(".")[2] or module, "op": str(self._op or "")}
+        return {"phase": self._phase(), "module": module.partition(".")[2] or module, "op": str(self._op or "")}
 
     # The allocation and free sequence from the last reset_peak (fsdplab.allocator replays it): None until then.
     alloc_log, alloc_preloaded, _serials = None, 0, None
@@ -438,7 +446,7 @@ class _PeakTracker:
 
         kind = getattr(winfo.reftype, "value", "")
         label = kind
-        if where:
+        if where and self.label_allocations:
             moment = self._moment()
             label = f"{kind}, {moment['phase']}" + (f", {moment['module']}" if moment["module"] else "")
         return ("+", self._serial(winfo), winfo.mem_consumed, STREAM_OF.get(kind, 0), label)
@@ -496,7 +504,7 @@ class _PeakTracker:
             if on_device > self.offload_peak:
                 self.offload_peak, self.offload_peak_snap = on_device, dict(snap)
                 self.offload_peak_at = moment = moment or self._moment()
-            self.timeline.append(((moment or self._moment())["phase"], cats, kept))
+            self.timeline.append((moment["phase"] if moment else self._phase(), cats, kept))
 
     def settle_fsdp(self, model) -> bool:
         """Leave the FSDP2 `model` as its first forward leaves it for every later step, without running it:

@@ -225,7 +225,8 @@ def estimate_command(args) -> int:
                            optimizer=args.optimizer, activation_checkpointing=_checkpointing(args),
                            strategy=_strategy(args), shard_group_size=args.shard_group_size,
                            cpu_offload=args.cpu_offload, attention=args.attention, loss_chunks=args.loss_chunks,
-                           embed_head_units=args.embed_head_units, use_cache=args.use_cache)
+                           embed_head_units=args.embed_head_units, use_cache=args.use_cache,
+                           reshard_to=args.reshard_to)
     if args.sweep or args.plot or len(seq_lens) * len(batch_sizes) * len(world_sizes) > 1:
         if args.timeline or args.memory_snapshot:
             raise ValueError("--timeline and --memory-snapshot show one setting's step: give one --seq-len, "
@@ -329,6 +330,8 @@ def main(argv=None) -> int:
                      help="hybrid_shard: GPUs one parameter is sharded over, usually one node's (default min(N, 8))")
     est.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                      help="--no-reshard-after-forward is --strategy shard_grad_op")
+    est.add_argument("--reshard-to", type=int, default=None, metavar="N",
+                     help="full_shard: after forward keep parameters sharded over N ranks (e.g. 8, one node), not all")
     est.add_argument("--cpu-offload", action="store_true")
     est.add_argument("--sweep", action="store_true", help="sweep output (table / JSON of points) even for one point")
     est.add_argument("--plot", metavar="FILE.png", help="write a heat map of the per-GPU peak (implies a sweep)")

@@ -200,6 +200,9 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
             in_flight = w * (spec.hidden + largest + 2 * block_numel)
         else:
             in_flight = w * (root_numel + 2 * block_numel)   # root unit + current and prefetched block
+        if setting.reshard_to and setting.reshard_to != shards and strategy == "full_shard" and per_block:
+            # Between its forward and its backward every block keeps a shard over `reshard_to` ranks.
+            in_flight += spec.num_layers * w * block_numel // setting.reshard_to
         params = sharded_params + in_flight
         grads = sharded_grads + w * block_trainable
         comm = w * block_numel + 4 * block_trainable        # all-gather output + fp32 reduce-scatter input

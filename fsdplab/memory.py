@@ -40,7 +40,7 @@ class _ParameterWithoutGradient(Exception):
 
 
 def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offload=False,
-               state_only_first=False):
+               state_only_first=False, label_allocations=False):
     """`steps` training steps under a tracker. Step 1 only creates the optimizer state; each later step's
     peak is recorded and the lowest is kept (identical on fake tensors; on CPU ranks gloo's worker thread
     sometimes frees a collective's buffer a moment late, which only ever adds). Returns
@@ -60,6 +60,7 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     if steps < 2:
         raise ValueError("steps must be at least 2: the first step creates the optimizer state.")
     tracker = make_tracker(model, optimizer)
+    tracker.label_allocations = label_allocations
     if isinstance(batch, dict):
         tracker_inputs = tuple(batch.values())
     else:
@@ -221,13 +222,50 @@ def _compute_estimate(setting: TrainSetting, say, snapshot_path=None) -> MemoryR
     from .models import config_of
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    t0 = time.perf_counter()
     config = config_of(setting.model)
     try:
-        run = _fake_steps(setting, config, say, state_only_first=True)
+        [(run, seconds)] = _fake_steps(setting, config, say, state_only_first=True,
+                                       label_allocations=snapshot_path is not None)
     except _ParameterWithoutGradient:
         say("a trainable parameter gets no gradient: starting again with a full first step")
-        run = _fake_steps(setting, config, say, state_only_first=False)
+        [(run, seconds)] = _fake_steps(setting, config, say, state_only_first=False,
+                                       label_allocations=snapshot_path is not None)
+    return _report(setting, run, seconds, say, snapshot_path)
+
+
+def estimate_group(settings: list, progress=False) -> list:
+    """`estimate` of each of `settings`, which differ in seq_len and batch_size only (a sweep's points at one
+    world size): the fake model is built and sharded once for them all, and the optimizer state it keeps is
+    what every point's first step would create. Each report is stored in the run's cache, as `estimate`'s are;
+    the numbers are those `estimate` gives each point alone (tests/test_estimate_options.py)."""
+    import warnings
+
+    from .models import config_of
+
+    if not settings:
+        return []
+    base = settings[0].replace(seq_len=1, batch_size=1)
+    if any(s.replace(seq_len=1, batch_size=1) != base for s in settings):
+        raise ValueError("estimate_group takes settings that differ in seq_len and batch_size only.")
+    reports = [estimate_cache.cached_estimate(s) for s in settings]
+    todo = [s for s, r in zip(settings, reports) if r is None]
+    if todo:
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        say = _progress_printer(progress, f"{todo[0].model_name} x{todo[0].world_size}")
+        try:
+            runs = _fake_steps(todo[0], config_of(todo[0].model), say, state_only_first=True, points=todo)
+        except _ParameterWithoutGradient:   # rare (a frozen path): each point on its own, as estimate does
+            runs = None
+        made = iter([_report(s, run, seconds, say) for s, (run, seconds) in zip(todo, runs)] if runs else
+                    [estimate(s, progress=progress, subprocess_mode=False) for s in todo])
+        reports = [r if r is not None else next(made) for r in reports]
+        for s, r in zip(settings, reports):
+            if not any(n.startswith("reused") for n in r.notes):
+                estimate_cache.store(s, r)
+    return reports
+
+
+def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None) -> MemoryReport:
     peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, alloc_log = run
     reserved = _reserved(alloc_log)
     if snapshot_path is not None:
@@ -252,7 +290,7 @@ def _compute_estimate(setting: TrainSetting, say, snapshot_path=None) -> MemoryR
                         settings=setting.to_dict(), notes=notes, source="estimate",
                         resident=_resident(after_backward, after_step), detail=raw, category_peaks=category_peaks,
                         peak_moment=moment, timeline=timeline, gpu_view=allocator_view(reserved, setting),
-                        seconds=round(time.perf_counter() - t0, 2))
+                        seconds=round(seconds, 2))
 
 
 def _strategy_notes(setting: TrainSetting) -> list:
@@ -268,13 +306,17 @@ def _strategy_notes(setting: TrainSetting) -> list:
     return ["FSDP2 pads each parameter's dim 0 to a multiple of the world size: resident shards include it."]
 
 
-def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
-    """Build `setting`'s model on fake tensors in a fake process group, shard it, and `_run_steps` it."""
+def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool, label_allocations: bool = False,
+                points=None) -> list:
+    """Build `setting`'s model on fake tensors in a fake process group, shard it, and `_run_steps` it for each
+    of `points` (settings that differ from it in seq_len and batch_size only; default: itself): one build for
+    them all. Returns one run per point, each with the seconds it took (the build counted in the first)."""
     import torch
 
     from ._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
     from .sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 
+    t0 = time.perf_counter()
     with fake_process_group(setting.world_size):
         mesh = data_parallel_mesh(setting)
         # peft and .to(dtype) fail inside FakeTensorMode: the model is built on the meta device, sharded there
@@ -287,11 +329,17 @@ def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool):
             net.to_empty(device="cpu")
             opt = make_optimizer(net, setting.optimizer)
             _step_local_shards(opt)
-            tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len))
-            batch = {"input_ids": tokens, "labels": tokens}
             say("sharded; running two training steps")
-            return _run_steps(net, opt, batch, 2, loss_fn=loss_for(setting), progress=say,
-                              offload=setting.cpu_offload, state_only_first=state_only_first)
+            runs = []
+            for point in points or [setting]:
+                tokens = torch.randint(0, config.vocab_size, (point.batch_size, point.seq_len))
+                batch = {"input_ids": tokens, "labels": tokens}
+                run = _run_steps(net, opt, batch, 2, loss_fn=loss_for(point), progress=say,
+                                 offload=point.cpu_offload, state_only_first=state_only_first,
+                                 label_allocations=label_allocations)
+                runs.append((run, time.perf_counter() - t0))
+                t0 = time.perf_counter()
+            return runs
 
 
 def _step_local_shards(optimizer) -> None:

@@ -79,6 +79,10 @@ class TrainSetting:
     per_block: bool = True
     # hybrid_shard: ranks in one shard group (one node); None means min(world_size, 8).
     shard_group_size: int | None = None
+    # full_shard: after forward, keep each unit's parameters sharded over this many ranks instead of all of them
+    # (FSDP2's reshard_after_forward=int, torchtitan's "reshard to a smaller group": e.g. 8, one node), so the
+    # backward all-gather stays inside that group; None reshards to the full world as FULL_SHARD does.
+    reshard_to: int | None = None
     # The attention implementation transformers runs: "sdpa" (its default; memory-efficient kernels that never
     # store the score matrix), "flash" (flash_attention_2: the same memory; traced as sdpa where flash-attn is
     # not installed) or "eager" (plain matmuls: the b*heads*s*s scores and softmax are stored). None: what the
@@ -144,6 +148,15 @@ class TrainSetting:
         if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 1:
             raise ValueError(f"loss_chunks must be a positive integer (1: plain cross-entropy; 8 is torchtune's "
                              f"chunked loss), got {self.loss_chunks!r}.")
+        if self.reshard_to is not None:
+            if self.strategy != "full_shard":
+                raise ValueError(f"reshard_to applies to full_shard (it replaces resharding to every rank after "
+                                 f"forward), not {self.strategy}.")
+            if not isinstance(self.reshard_to, int) or isinstance(self.reshard_to, bool) or self.reshard_to < 2 \
+                    or self.world_size % self.reshard_to:
+                raise ValueError(f"reshard_to must be a number of ranks (2 or more) that divides world_size "
+                                 f"({self.world_size}), e.g. 8 for one node; got {self.reshard_to!r} (to keep whole "
+                                 f"parameters after forward, use strategy='shard_grad_op').")
         if self.use_cache and self.activation_checkpointing:
             raise ValueError("use_cache=True with activation checkpointing: the recomputed forward appends to "
                              "transformers' KV cache again and attends to twice the keys (wrong gradients). Keep "
@@ -163,8 +176,10 @@ class TrainSetting:
         return getattr(self.model, "name_or_path", "") or type(self.model).__name__
 
     @property
-    def reshard_after_forward(self) -> bool:
-        """FSDP2's switch between FULL_SHARD (True) and SHARD_GRAD_OP (False)."""
+    def reshard_after_forward(self) -> bool | int:
+        """FSDP2's reshard_after_forward: True (FULL_SHARD), False (SHARD_GRAD_OP), or `reshard_to` ranks."""
+        if self.reshard_to is not None and self.reshard_to != self.world_size:
+            return self.reshard_to
         return self.strategy != "shard_grad_op"
 
     @property

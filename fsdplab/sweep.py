@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .memory import estimate
+from .memory import estimate, estimate_group
 from .report import MemoryReport
 from .settings import GIB, MIB, TrainSetting
 
@@ -234,7 +234,8 @@ class Estimates:
             self._pool = ProcessPoolExecutor(max(1, min(self._workers, len(indices))),
                                              mp_context=multiprocessing.get_context("spawn"),
                                              initializer=init_estimate_process)
-        self._futures.update({self._pool.submit(_estimate_point, self.settings[i]): i for i in indices})
+        for chunk in _chunks(self.settings, indices, self._workers):
+            self._futures[self._pool.submit(_estimate_points, [self.settings[i] for i in chunk])] = chunk
 
     def result(self) -> list:
         """Wait for every estimate; the reports in the order of the settings (`on_done` runs as each arrives)."""
@@ -254,14 +255,15 @@ class Estimates:
                 late.append(i)
         self._waiting = []
         self._submit(late)
-        pending = set(self._futures.values())
+        pending = {i for chunk in self._futures.values() for i in chunk}
         for i in sorted(set(self._first) - pending):     # read back from the cache
             self._done(i)
         if self._pool is not None:
             try:
                 for future in as_completed(self._futures):
-                    self.reports[self._futures[future]] = future.result()
-                    self._done(self._futures[future])
+                    for i, report in zip(self._futures[future], future.result()):
+                        self.reports[i] = report
+                        self._done(i)
             except BaseException as e:   # a failed point or Ctrl-C: do not start the points still queued
                 for future in self._futures:
                     future.cancel()
@@ -292,5 +294,22 @@ def init_estimate_process():
     torch.set_num_threads(1)   # one core per worker: the other worker has the other
 
 
-def _estimate_point(setting: TrainSetting) -> MemoryReport:
-    return estimate(setting, progress=False, subprocess_mode=False)
+def _chunks(settings: list, indices: list, workers: int) -> list:
+    """`indices` in groups that share a fake model (settings equal but for seq_len and batch_size), each group
+    cut into at most `workers` chunks so that the workers share it: one task per chunk, one build per task."""
+    groups = []
+    for i in indices:
+        base = settings[i].replace(seq_len=1, batch_size=1)
+        group = next((g for g in groups if g[0] == base), None)
+        if group is None:
+            groups.append(group := (base, []))
+        group[1].append(i)
+    chunks = []
+    for _, members in groups:
+        n = max(1, min(workers, len(members)))
+        chunks += [members[k::n] for k in range(n)]
+    return chunks
+
+
+def _estimate_points(settings: list) -> list:
+    return estimate_group(settings)

@@ -146,3 +146,41 @@ def test_the_report_says_where_the_peak_falls_and_draws_the_step(peaks, tmp_path
     assert main(["estimate", "--model", "tiny", "--seq-len", "32,64", "--timeline", str(png)]) == 2
     assert main(["estimate", "--model", "tiny", "--timeline", str(tmp_path / "step.svg")]) == 2
     assert "one setting's step" in capsys.readouterr().err
+
+
+def test_resharding_to_a_smaller_group_holds_more_between_forward_and_backward(capsys):
+    peaks = [estimate(model="tiny", world_size=8, seq_len=64, reshard_to=r, progress=False).peak_bytes
+             for r in (None, 4, 2)]
+    assert peaks[0] < peaks[1] < peaks[2], peaks
+    formulas = [formula(model="tiny", world_size=8, seq_len=64, reshard_to=r).peak_bytes for r in (None, 4, 2)]
+    assert formulas[0] < formulas[1] < formulas[2], formulas
+    assert TrainSetting(world_size=8, reshard_to=8).reshard_after_forward is True
+    for bad in (1, 3, 0, 16):
+        with pytest.raises(ValueError, match="reshard_to"):
+            TrainSetting(world_size=8, reshard_to=bad)
+    with pytest.raises(ValueError, match="applies to full_shard"):
+        TrainSetting(world_size=8, reshard_to=4, strategy="shard_grad_op")
+    assert main(["estimate", "--model", "tiny", "--world-size", "8", "--seq-len", "64", "--reshard-to", "4",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["settings"]["reshard_to"] == 4
+
+
+def test_a_sweep_builds_its_fake_model_once_and_gets_every_points_own_numbers(tmp_path, monkeypatch):
+    from fsdplab.memory import estimate_group
+    from fsdplab.sweep import _chunks
+
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    points = [BASE.replace(seq_len=s, batch_size=b, lora_rank=8) for s in (256, 512) for b in (1, 2)]
+    together = estimate_group(points)
+    monkeypatch.delenv("FSDPLAB_ESTIMATE_CACHE")
+    for point, report in zip(points, together):
+        alone = estimate(point, progress=False)
+        assert (report.peak_bytes, report.by_category, report.category_peaks, report.resident, report.detail,
+                report.gpu_view) == (alone.peak_bytes, alone.by_category, alone.category_peaks, alone.resident,
+                                     alone.detail, alone.gpu_view), point
+    assert len(list(tmp_path.glob("*.json"))) == 4              # each point stored, as estimate() stores it
+    with pytest.raises(ValueError, match="seq_len and batch_size only"):
+        estimate_group([BASE, BASE.replace(world_size=4)])
+    # Points that share a model are cut into one chunk per worker; another world size is another model.
+    settings = points + [BASE.replace(world_size=4)]
+    assert _chunks(settings, list(range(5)), workers=2) == [[0, 2], [1, 3], [4]]
