@@ -219,6 +219,7 @@ class TrainSetting:
         """Plain values (the model as its label): what a report records."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["model"] = self.model_name
+        data["attention"] = self.attention_kind     # what runs, where the setting left it to the model's config
         return data
 
 
