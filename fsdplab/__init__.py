@@ -3,9 +3,10 @@
 Importing fsdplab starts nothing: no process, no CUDA, no process group.
 """
 
-from .cluster import Cluster, RankDied, RankError, RankHang
-from .launchers import Local, Mpi, Slurm, Ssh
-from .dist import backend, device, local_rank, mesh, node_mesh, node_rank, print0, rank, world_size
+from .runtime.cluster import Cluster
+from .runtime.errors import RankDied, RankError, RankHang
+from .runtime.launchers import Local, Mpi, Slurm, Ssh
+from .ranks import backend, device, local_rank, mesh, node_mesh, node_rank, print0, rank, world_size
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,6 @@ __all__ = ["Cluster", "Local", "Slurm", "Mpi", "Ssh", "RankError", "RankHang", "
 
 def load_ipython_extension(ipython):
     """`%load_ext fsdplab` registers the %%ranks cell magic."""
-    from .magics import register
+    from .runtime.magics import register
 
     register(ipython)

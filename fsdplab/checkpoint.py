@@ -31,7 +31,7 @@ from torch import nn
 
 from . import checksums
 from . import safe_files as files
-from .dist import this_rank, this_world_size
+from .ranks import this_rank, this_world_size
 from .safe_files import CheckpointDiskFull  # raised below; callers catch it as checkpoint.CheckpointDiskFull
 
 LATEST = "latest"
@@ -399,7 +399,7 @@ def sharded_tiny(cfg=None, seed: int = 0, lr: float = 1e-2):
 
     model = build_tiny(cfg or TinyConfig(), seed=seed)
     if _dist() is not None:
-        from .dist import mesh
+        from .ranks import mesh
 
         model = apply_fsdp(model, mesh())
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
@@ -414,7 +414,7 @@ def sharded_hf(config, seed: int = 0):
     torch.manual_seed(seed)
     model = causal_lm(config, device="cpu")
     if _dist() is not None:
-        from .dist import mesh
+        from .ranks import mesh
 
         model = apply_fsdp(model, mesh())
     return model

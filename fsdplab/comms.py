@@ -318,7 +318,7 @@ def make_mesh(shape=None, names=None):
     this rank's device type; the 1-D mesh over all ranks when `shape` is None."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .dist import device, mesh
+    from .ranks import device, mesh
 
     if shape is None:
         return mesh()
@@ -345,7 +345,7 @@ def count_train_step(strategy: str = "full_shard", cfg=None, batch_size: int = 2
     (`set_modules_to_backward_prefetch([])` on every unit) or "off".
     Returns plain data: the event log, the parameter count of the blocks and of the rest (the root unit),
     and the bytes of one fp32 copy of all parameters."""
-    from .dist import this_rank
+    from .ranks import this_rank
     from .models import TinyConfig, blocks_of
     from .sharding import build_tiny, parallelize
 
@@ -452,7 +452,7 @@ def fsdp1_step_records(backward_prefetch: str | None = "BACKWARD_PRE", forward_p
     launch order; FSDP1 units are not labelled) and the peak GPU memory of the step in bytes."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
-    from .dist import this_rank
+    from .ranks import this_rank
     from .models import TinyConfig
     from .sharding import apply_fsdp1, build_tiny
 

@@ -100,7 +100,7 @@ def estimate_under_way(setting: TrainSetting) -> bool:
 def _maker_alive(maker: dict) -> bool:
     import psutil
 
-    from .processes import _alive
+    from .runtime.processes import alive as _alive
 
     try:
         now = _maker_identity(maker["pid"])

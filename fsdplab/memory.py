@@ -419,7 +419,7 @@ def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryR
     """
     import torch
 
-    from .dist import this_rank, this_world_size
+    from .ranks import this_rank, this_world_size
 
     t0 = time.perf_counter()
     on_gpu = any(p.is_cuda for p in model.parameters())
@@ -447,7 +447,7 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
     `estimate(setting)`). setting.world_size must be the group's size."""
     import torch
 
-    from .dist import device, mesh
+    from .ranks import device, mesh
     from .models import config_of
     from .sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 

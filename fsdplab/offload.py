@@ -330,7 +330,7 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
 def offload_attempt_on_rank(cfg=None) -> str:
     """Try FSDP2 + CPUOffloadPolicy for one forward/backward on this rank: 'ok', or the error torch raises
     (on a CPU rank there is no accelerator to offload from)."""
-    from .dist import device, mesh
+    from .ranks import device, mesh
     from .models import random_batch
     from .sharding import apply_fsdp, build_tiny, loss_of
 
@@ -370,7 +370,7 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
     """
     import torch
 
-    from .dist import device, mesh
+    from .ranks import device, mesh
     from .sharding import apply_fsdp, build_tiny
 
     dev = device()
@@ -396,7 +396,7 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
     import torch
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
-    from .dist import device
+    from .ranks import device
     from .sharding import apply_fsdp1, build_tiny
 
     dev = device()

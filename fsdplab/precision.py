@@ -22,13 +22,13 @@ import math
 import torch
 from torch import nn
 
-from .dist import this_rank
+from .ranks import this_rank
 from .settings import PRECISIONS, torch_dtype
 
 
 def _group(group_size):
     """(group of ranks 0..group_size-1, its mesh or None, member?) for the `*_on_rank` functions (dist.first_ranks)."""
-    from .dist import first_ranks
+    from .ranks import first_ranks
 
     return first_ranks(group_size)
 
@@ -188,7 +188,7 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .dist import device, rank
+    from .ranks import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny
 
@@ -225,7 +225,7 @@ def fsdp1_mixed_precision_on_rank(cfg=None, group_size=None) -> dict | None:
 
     from torch.distributed.fsdp import MixedPrecision
 
-    from .dist import device, rank
+    from .ranks import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp1, build_tiny
 
@@ -269,7 +269,7 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
     """
     import torch.distributed as dist
 
-    from .dist import device, rank
+    from .ranks import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny, loss_of
 
@@ -324,7 +324,7 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
 
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from .dist import device, rank
+    from .ranks import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp1, build_tiny, train_step
 
@@ -364,7 +364,7 @@ def fsdp2_scaler_on_rank(inf_rank: int = 1, cfg=None, seed: int = 0, group_size=
     DTensor's handler for the scaler's inf check all-reduces the found-inf flag over the mesh (torch 2.x
     `found_inf_reduce_handler`), so the ranks agree without a special scaler. Returns this rank's scale and
     whether its shards changed (ranks 0..group_size-1; the others return None)."""
-    from .dist import device, rank
+    from .ranks import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny, train_step
 
@@ -403,7 +403,7 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
     wrapping, as when loaded with torch_dtype=float16: fp16 master weights and fp16 AdamW state).
     NaN losses are returned as float('nan'). group_size: ranks 0..group_size-1 train (the others return None).
     """
-    from .dist import device, rank
+    from .ranks import device, rank
     from .models import TinyConfig, random_batch
     from .sharding import apply_fsdp, build_tiny, train_step
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .dist import this_rank
+from .ranks import this_rank
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 OLD_DIR = re.compile(r"^step-(\d+)\.old$")          # the previous copy of a step while it is re-saved

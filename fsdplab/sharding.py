@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from .dist import this_rank
+from .ranks import this_rank
 from .models import blocks_of, causal_lm, config_of, dtype_kwarg
 from .settings import OPTIMIZERS, RUNNABLE_STRATEGIES, TrainSetting, check_choice, torch_dtype
 
@@ -223,7 +223,7 @@ def parallelize(model: nn.Module, strategy: str = "full_shard", *, mesh=None, de
     if strategy == "ddp":
         return apply_ddp(model, device)
     if mesh is None:
-        from .dist import mesh as current_mesh
+        from .ranks import mesh as current_mesh
 
         mesh = current_mesh()
     if strategy == "hybrid_shard" and mesh.ndim != 2:
@@ -300,7 +300,7 @@ def build_sharded(setting: TrainSetting, mesh=None, *, device=None, model_path=N
 
     check_choice("strategy", setting.strategy, ("shard_grad_op", "full_shard"))
     if mesh is None:
-        from .dist import mesh as current_mesh
+        from .ranks import mesh as current_mesh
 
         mesh = current_mesh()
     if device is None:

@@ -32,7 +32,7 @@ import re
 from ._torch_private import profiler_trace_start_ns
 from .comms import C10D_OPS
 from .network import collective_time, get_link
-from .dist import this_rank
+from .ranks import this_rank
 
 _FSDP_LABEL = re.compile(r"^FSDP::(all_gather|post_backward_reduce)(?: \((.*)\))?$")
 _COMM_NAME = re.compile(r"^(gloo|nccl|mpi|ucc):(\w+)|nccl(?:Dev)?Kernel_(\w+)", re.IGNORECASE)

@@ -23,7 +23,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 def _healthy(cluster) -> bool:
-    if cluster._client is None or cluster._broken is not None:
+    if not cluster.running or cluster.broken is not None:
         return False
     try:
         return cluster.run(fsdplab.rank, timeout=20, quiet=True) == list(range(cluster.world_size))
@@ -42,7 +42,7 @@ def _shared_cluster():
 
 @pytest.fixture(scope="module")
 def cluster(_shared_cluster):
-    if _shared_cluster._client is None:
+    if not _shared_cluster.running:
         _shared_cluster.start()
     elif not _healthy(_shared_cluster):
         _shared_cluster.restart()

@@ -134,7 +134,7 @@ def test_output_folders_and_parameters_are_checked_before_anything_runs(tmp_path
 
 
 def test_a_dead_fork_server_is_named_and_the_run_goes_on_without_it(tmp_path):
-    from fsdplab import forkserver
+    from fsdplab.runner import forkserver
 
     if not forkserver.available():
         pytest.skip("no fork server on this platform")
@@ -263,9 +263,9 @@ def test_failed_run_leaves_no_scratch(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("FSDPLAB_FIGURES", raising=False)
     nb = tiny_notebook(tmp_path / "fails.ipynb",
                        "import os, tempfile, fsdplab\ncluster = fsdplab.Cluster(1, quiet=True).start()\n"
-                       "print('tmp', tempfile.gettempdir())\nprint('cluster', cluster._workdir)\n"
+                       "print('tmp', tempfile.gettempdir())\nprint('cluster', cluster._group.workdir)\n"
                        "print('figures', os.environ['FSDPLAB_FIGURES'])\n"
-                       "print('pids', ' '.join(str(p.pid) for p in cluster._procs.values()))",
+                       "print('pids', ' '.join(str(p.pid) for p in cluster._group.procs.values()))",
                        "raise RuntimeError('planted failure')")
     code = main(["run", str(nb), "--out", str(tmp_path / "out"), "--no-progress"])
     captured = capsys.readouterr()

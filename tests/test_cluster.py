@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import fsdplab
-from fsdplab.magics import ranks_magic
+from fsdplab.runtime.magics import ranks_magic
 
 
 def _all_reduce_rank():
@@ -160,21 +160,21 @@ def test_dead_rank_is_reported_with_exit_code(fault_on_fresh_pair):
     assert died.exits == {1: 7}
 
 
-def _alive(pids):
+def alive(pids):
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def _wait_gone(pids, seconds=15):
     deadline = time.monotonic() + seconds
-    while _alive(pids) and time.monotonic() < deadline:
+    while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return _alive(pids)
+    return alive(pids)
 
 
 SCRIPT = """
 import gc, sys, time, fsdplab
 c = fsdplab.Cluster(2, backend="gloo", quiet=True).start()
-controller = c._ipp.controller.process
+controller = c._group.ipp.controller.process
 pids = c.pids + [controller.pid] + [p.pid for p in controller.children(recursive=True)]
 print(" ".join(map(str, pids)), flush=True)
 if sys.argv[1] == "gc":
@@ -205,7 +205,7 @@ def test_no_orphans_when_collected_or_when_the_kernel_is_killed(how, tmp_path):
 
 def test_stop_ends_every_process():
     c = fsdplab.Cluster(2, backend="gloo", quiet=True).start()
-    pids = c.pids + [c._ipp.controller.process.pid]
+    pids = c.pids + [c._group.ipp.controller.process.pid]
     c.stop()
     assert _wait_gone(pids) == []
 

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 import fsdplab
-from fsdplab.rank_output import Echo
-from fsdplab.tracebacks import format_frames, rank_list
+from fsdplab.runtime.output import Echo
+from fsdplab.runtime.tracebacks import format_frames, rank_list
 
 
 def _raise_on_last_rank():
@@ -31,7 +31,7 @@ def test_rank_error_starts_with_one_line_per_rank_and_shows_only_user_frames(clu
     first = text.splitlines()[0]
     assert first.startswith("rank 1: ValueError: a bad batch") and "test_cluster_faults.py" in first, text
     assert 'raise ValueError("a bad batch")' in text
-    assert "ipyparallel" not in text and "fsdplab/cluster.py" not in text and "fsdplab/dist.py" not in text
+    assert "ipyparallel" not in text and "fsdplab/runtime/" not in text and "fsdplab/ranks.py" not in text
     assert info.value.errors[1][0] == "ValueError"
 
 
@@ -150,7 +150,7 @@ def test_stop_returns_when_every_process_and_the_scratch_folder_are_gone():
     c = fsdplab.Cluster(2, backend="gloo", quiet=True).start()
     procs = [psutil.Process(p) for p in c._all_pids()]
     procs += [child for p in procs for child in p.children(recursive=True)]
-    workdir = c._workdir
+    workdir = c._group.workdir
     c.stop()
     assert [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
     assert not os.path.exists(workdir)
@@ -162,11 +162,11 @@ c = fsdplab.Cluster(2, backend="gloo", quiet=True)
 if sys.argv[1] == "during-start":
     # Killed after the engines are up and before they join the group.
     def report_then_wait(self):
-        print(c._workdir, flush=True)
+        print(c._group.workdir, flush=True)
         time.sleep(120)
     fsdplab.Cluster._join_group = report_then_wait
 c.start()
-print(c._workdir, flush=True)
+print(c._group.workdir, flush=True)
 if sys.argv[1] == "gc":
     del c
     import gc; gc.collect()
@@ -282,7 +282,7 @@ def test_rank_lists_and_frames_read_well():
 
 
 def test_status_magic_prints_the_table(cluster, capsys):
-    from fsdplab.magics import status_magic
+    from fsdplab.runtime.magics import status_magic
 
     status_magic("", {"c": cluster})
     out = capsys.readouterr().out

@@ -11,7 +11,7 @@ import IPython
 import pytest
 
 import fsdplab
-from fsdplab.faults import _strip_ansi
+from fsdplab.runtime.errors import strip_ansi
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +95,12 @@ def test_a_ranks_cell_and_execute_source(shell):
 def test_the_notebook_shows_the_users_frames_only(shell):
     cell(shell, "def bad():\n    raise RuntimeError('from a rank')\n")
     number, error = cell(shell, "out = cluster.run(bad)")
-    text = _strip_ansi("\n".join(error._render_traceback_()))
+    text = strip_ansi("\n".join(error._render_traceback_()))
     assert f"Cell In[{number}], line 1" in text and "out = cluster.run(bad)" in text, text
-    assert "waiting.py" not in text and "cluster.py" not in text and "fsdplab" + "/" not in text, text
+    assert "call.py" not in text and "cluster.py" not in text and "fsdplab" + "/" not in text, text
     assert "ranks 0-1: RuntimeError: from a rank" in text, text
     number, error = cell(shell, "%%ranks\nraise RuntimeError('in a ranks cell')\n")
-    text = _strip_ansi("\n".join(error._render_traceback_()))
+    text = strip_ansi("\n".join(error._render_traceback_()))
     assert f"Cell In[{number}], line 1" in text and f"(Cell In[{number}], line 2)" in text, text
     assert "interactiveshell.py" not in text and "magics.py" not in text and "fsdplab" + "/" not in text, text
 

@@ -1,5 +1,6 @@
-"""fsdplab.forkserver: rank processes forked from one process that imported torch once (`fsdplab run`)."""
+"""fsdplab.runner.forkserver: rank processes forked from one process that imported torch once (`fsdplab run`)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,9 @@ import psutil
 import pytest
 
 import fsdplab
-from fsdplab import cli, forkserver
+from fsdplab import cli
+from fsdplab.runner import forkserver
+from fsdplab.runtime.processes import PYTHON_COMMAND_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork servers run on Linux only")
 
@@ -20,9 +23,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fo
 def server(tmp_path):
     process = forkserver.start(str(tmp_path))
     assert process is not None and os.environ[forkserver.ENV] == str(tmp_path / "forkserver.sock")
+    # clusters start their ranks through the server's client: the one thing the runtime knows of the runner
+    assert json.loads(os.environ[PYTHON_COMMAND_ENV])[-1] == forkserver.CLIENT
     yield process
     forkserver.stop(process)
-    assert forkserver.ENV not in os.environ
+    assert forkserver.ENV not in os.environ and PYTHON_COMMAND_ENV not in os.environ
 
 
 def _forks_of(server) -> list:
@@ -48,7 +53,7 @@ def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, 
         seen = c.run(lambda: (os.environ.get("FSDPLAB_TEST_MARK"), __import__("tempfile").gettempdir(),
                               os.environ.get("OMP_NUM_THREADS"), forkserver.ENV in os.environ,
                               "FSDPLAB_LAUNCHED_BY" in os.environ))
-        assert seen == [("from the kernel", str(scratch), str(c._threads), True, False)] * 2
+        assert seen == [("from the kernel", str(scratch), str(c.threads), True, False)] * 2
         assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
     _wait_for(lambda: not _forks_of(server))
 
@@ -111,9 +116,10 @@ def test_what_a_fork_forks_dies_with_it(server, tmp_path):
 
 def test_without_an_answering_server_ranks_start_as_usual(tmp_path, monkeypatch):
     monkeypatch.setenv(forkserver.ENV, str(tmp_path / "nobody-listens.sock"))
+    monkeypatch.setenv(PYTHON_COMMAND_ENV, json.dumps([sys.executable, "-I", forkserver.CLIENT]))
     with fsdplab.Cluster(2, spares=False, quiet=True) as c:
         assert c.run(fsdplab.rank) == [0, 1]
-        assert all(psutil.Process(pid).cmdline()[1:3] == ["-m", "fsdplab._engine"] for pid in c.pids)
+        assert all(psutil.Process(pid).cmdline()[1:3] == ["-m", "fsdplab.runtime.engine"] for pid in c.pids)
 
 
 def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, monkeypatch):
@@ -135,5 +141,5 @@ def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, 
     printed = [nbformat.read(tmp_path / "out" / p.name, 4).cells[0].outputs[0]["text"].strip() for p in paths]
     assert printed[0] == printed[1] and printed[0].endswith("forkserver.sock"), printed
     parents = [nbformat.read(tmp_path / "out" / p.name, 4).cells[1].outputs[0]["text"].strip() for p in paths]
-    assert parents == ["import sys; from fsdplab.forkserver import serve; serve(sys.argv[1]) True"] * 2, parents
+    assert parents == ["import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1]) True"] * 2, parents
     assert forkserver.ENV not in os.environ

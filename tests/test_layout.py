@@ -158,3 +158,47 @@ def test_one_home_for_units_dtypes_and_the_step():
     assert losses == ["sharding.py"], losses
     steps = [p.name for p, s in sources.items() if ".zero_grad(" in s]
     assert steps == ["sharding.py"], steps
+
+
+def _imports(path: Path) -> list:
+    """(module, [names]) of every `from X import ...` in the file, the module resolved to fsdplab.*."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - (node.level - 1)] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.append((module, [a.name for a in node.names]))
+    return found
+
+
+def test_the_runtime_shares_no_private_names_and_knows_nothing_of_the_runner():
+    runtime = sorted((PACKAGE / "runtime").rglob("*.py"))
+    crossing = [(str(p.relative_to(PACKAGE)), module, name) for p in runtime for module, names in _imports(p)
+                if module.startswith("fsdplab") for name in names if name.startswith("_") and name != "__future__"]
+    assert crossing == [], crossing
+    # the fork server, the estimates made ahead and the run's folders serve `fsdplab run` only
+    runner = [(str(p.relative_to(PACKAGE)), module) for p in runtime for module, _ in _imports(p)
+              if module.startswith(("fsdplab.runner", "fsdplab.estimates_ahead", "fsdplab.estimate_cache"))]
+    assert runner == [], runner
+    # every launcher is a class of its own file, found by its kind
+    from fsdplab.runtime import launchers
+
+    assert {kind: cls.__module__.rsplit(".", 1)[1] for kind, cls in launchers.LAUNCHER_CLASSES.items()} == {
+        "local": "local", "slurm": "slurm", "mpi": "mpi", "ssh": "ssh"}
+    # the older name of fsdplab.ranks is for users' notebooks only: the package itself uses the new one
+    old_name = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") for module, _ in _imports(p)
+                if module == "fsdplab.dist"]
+    assert old_name == [], old_name
+    source = (PACKAGE / "runtime" / "cluster.py").read_text()
+    assert not re.search(r"""(==|!=|in) *\(?["'](slurm|mpi|ssh|local)["']""", source), "cluster.py branches on a launcher"
+
+
+def test_the_older_name_of_fsdplab_ranks_still_works_with_a_note():
+    import fsdplab.dist
+    import fsdplab.ranks
+
+    with pytest.warns(FutureWarning, match=r"fsdplab.dist.first_ranks is now fsdplab.ranks.first_ranks"):
+        assert fsdplab.dist.first_ranks is fsdplab.ranks.first_ranks
+    with pytest.raises(AttributeError):
+        fsdplab.dist.no_such_helper

@@ -171,30 +171,32 @@ def test_launcher_objects_hold_their_options_and_the_flat_form_still_works(monke
     import warnings
 
     import fsdplab
-    from fsdplab import launchers
+    from fsdplab.runtime import launchers
 
     flat = dict(nodes=2, partition="gpu", time_limit="2:00:00", gpus_per_node=None, sbatch_args=None,
                 slurm_conf=None, address=None, hosts=None, mpi_args=None, ssh_args=None, remote_python=None)
-    kind, given = launchers.resolve(fsdplab.Slurm(nodes=2, partition="gpu", time_limit="2:00:00"), dict.fromkeys(flat))
+    written = launchers.resolve(fsdplab.Slurm(nodes=2, partition="gpu", time_limit="2:00:00"), dict.fromkeys(flat))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert launchers.resolve("slurm", flat) == (kind, given) == ("slurm", flat)
+        assert launchers.resolve("slurm", flat) == written == fsdplab.Slurm(nodes=2, partition="gpu", time_limit="2:00:00")
     [note] = [w for w in seen if issubclass(w.category, FutureWarning)]
     assert "launcher=fsdplab.Slurm(nodes=2, partition='gpu', time_limit='2:00:00')" in str(note.message)
-    assert launchers.resolve(fsdplab.Ssh(hosts=["a"]), dict.fromkeys(flat))[1]["hosts"] == ["a"]
-    assert launchers.resolve(fsdplab.Local(), dict.fromkeys(flat))[0] == "local"
+    assert launchers.resolve(fsdplab.Ssh(hosts=["a"]), dict.fromkeys(flat)).hosts == ["a"]
+    assert launchers.resolve("local", dict.fromkeys(flat)) == fsdplab.Local()
+    with pytest.raises(ValueError, match=r"hosts only apply to launcher='mpi' or 'ssh'"):
+        launchers.resolve("slurm", {**dict.fromkeys(flat), "hosts": ["a"]})
     with pytest.raises(ValueError, match=r"put them in the object, e.g. launcher=fsdplab.Slurm\(nodes=...\)"):
         fsdplab.Cluster(2, launcher=fsdplab.Slurm(partition="gpu"), nodes=2)
     with pytest.raises(ValueError, match="multiple of 3"):
         fsdplab.Cluster(4, launcher=fsdplab.Ssh(hosts=["a", "b", "c"]))
-    assert fsdplab.Cluster(2, launcher=fsdplab.Local()).launcher == "local"
+    assert fsdplab.Cluster(2, launcher=fsdplab.Local()).launcher == fsdplab.Local() == fsdplab.Cluster(2).launcher
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="needs Slurm's tools"):
         fsdplab.Cluster(2, launcher=fsdplab.Slurm(nodes=2))
 
 
 def test_ranks_follow_node_then_local_index_not_engine_id():
-    from fsdplab.remote import rank_order
+    from fsdplab.runtime.launchers.remote import rank_order
 
     # Engines in the order they connected: ipyparallel's ids follow this, Slurm's task ids do not.
     places = [{"nodeid": 1, "localid": 1, "procid": 3}, {"nodeid": 0, "localid": 1, "procid": 1},
@@ -203,23 +205,21 @@ def test_ranks_follow_node_then_local_index_not_engine_id():
 
 
 def test_batch_script_asks_for_the_layout_and_passes_options_through():
-    from fsdplab.slurm import SlurmOptions, batch_template
+    from fsdplab.runtime.launchers.slurm import SlurmOptions, batch_template
 
     opts = SlurmOptions(nodes=2, per_node=4, gpus_per_node=4, partition="gpu", time_limit="1:00:00",
                         sbatch_args=("--account=proj", "--comment={x}"), env={}, address="10.0.0.1")
-    script = batch_template(opts).format(cluster_id="c1", n=8, program_and_args="python -m fsdplab._engine")
+    script = batch_template(opts).format(cluster_id="c1", n=8, program_and_args="python -m fsdplab.runtime.engine")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --ntasks=8",
                  "#SBATCH --partition=gpu", "#SBATCH --time=1:00:00", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --account=proj", "#SBATCH --comment={x}",
-                 "srun --kill-on-bad-exit=0 python -m fsdplab._engine"):
+                 "srun --kill-on-bad-exit=0 python -m fsdplab.runtime.engine"):
         assert line in script.splitlines()
 
 
 def test_ranks_get_the_threads_the_job_asks_for_not_the_kernels_environment(monkeypatch):
-    from types import SimpleNamespace
 
-    from fsdplab.cluster import Cluster
-    from fsdplab.slurm import SlurmOptions, batch_template, cpus_per_task
+    from fsdplab.runtime.launchers.slurm import Slurm, SlurmOptions, batch_template, cpus_per_task
 
     assert cpus_per_task(None) == 1 and cpus_per_task(["--account=proj"]) == 1
     assert cpus_per_task(["--cpus-per-task=8"]) == 8 and cpus_per_task(["--cpus-per-task", "6"]) == 6
@@ -230,10 +230,10 @@ def test_ranks_get_the_threads_the_job_asks_for_not_the_kernels_environment(monk
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
     opts = SlurmOptions(nodes=2, per_node=2, gpus_per_node=0, partition=None, time_limit=None,
                         sbatch_args=("--cpus-per-task=8",), env={}, address="10.0.0.1", cpus_per_task=8)
-    assert Cluster._threads.fget(SimpleNamespace(launcher="slurm", backend="gloo", _remote=opts)) == 8
+    assert Slurm().threads(opts, 4, "gloo") == 8
     # and each srun task gets those CPUs: srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
-    script = batch_template(opts).format(cluster_id="c1", n=4, program_and_args="python -m fsdplab._engine")
-    assert "srun --kill-on-bad-exit=0 --cpus-per-task=8 python -m fsdplab._engine" in script.splitlines()
+    script = batch_template(opts).format(cluster_id="c1", n=4, program_and_args="python -m fsdplab.runtime.engine")
+    assert "srun --kill-on-bad-exit=0 --cpus-per-task=8 python -m fsdplab.runtime.engine" in script.splitlines()
 
 
 # --- the scenario: runs inside node-a ---------------------------------------------------------------
@@ -243,7 +243,7 @@ def _scenario() -> dict:
     import socket
 
     import fsdplab
-    from fsdplab.network import route_address as address_toward
+    from fsdplab.runtime.hosts import route_address as address_toward
 
     out: dict = {"address_a": socket.gethostbyname("node-a")}
     t = time.monotonic()
@@ -254,7 +254,7 @@ def _scenario() -> dict:
         env = os.environ
         return {"rank": fsdplab.rank(), "host": socket.gethostname(), "master_addr": env["MASTER_ADDR"],
                 "local_rank": int(env["LOCAL_RANK"]), "local_world_size": int(env["LOCAL_WORLD_SIZE"]),
-                "node_rank": fsdplab.dist.node_rank()}
+                "node_rank": fsdplab.ranks.node_rank()}
 
     def all_reduce():
         import torch
@@ -265,7 +265,7 @@ def _scenario() -> dict:
         return x.item()
 
     def node_mesh():
-        mesh = fsdplab.dist.node_mesh()
+        mesh = fsdplab.ranks.node_mesh()
         return [list(mesh.shape), list(mesh.mesh_dim_names)]
 
     out["places"] = cluster.run(place)

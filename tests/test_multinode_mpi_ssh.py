@@ -186,15 +186,16 @@ def test_bad_input_says_the_fix(monkeypatch):
 
 
 def test_mpiexec_gets_hosts_slots_and_the_engines_environment():
-    from fsdplab.launchers import RemoteOptions, mpi_args
+    from fsdplab.runtime.launchers.mpi import mpi_args
+    from fsdplab.runtime.launchers.remote import HostsPlan
 
-    opts = RemoteOptions("mpi", ("a", "b"), 2, 4, "10.0.0.1", ("--mca", "btl", "tcp,self"), "python3", "openmpi")
+    opts = HostsPlan(("a", "b"), 2, 4, "10.0.0.1", ("--mca", "btl", "tcp,self"), "python3", "openmpi")
     args = mpi_args(opts, {"OMP_NUM_THREADS": "1"})
     assert args[args.index("--host") + 1] == "a:4,b:4"
     for name in ("IPP_CLUSTER_ID", "IPP_PROFILE_DIR", "IPP_CONNECTION_INFO", "OMP_NUM_THREADS"):
         assert args[args.index(name) - 1] == "-x"
     assert args[-3:] == ["--mca", "btl", "tcp,self"]  # the user's own options last
-    mpich = mpi_args(RemoteOptions("mpi", ("a", "b"), 2, 4, "x", (), "python3", "mpich"), {})
+    mpich = mpi_args(HostsPlan(("a", "b"), 2, 4, "x", (), "python3", "mpich"), {})
     assert mpich == ["-ppn", "4", "-hosts", "a,b"]
 
 
@@ -221,7 +222,7 @@ def _scenario(launcher: str, config: str) -> dict:
         x = torch.ones(1) * (fsdplab.rank() + 1)
         dist.all_reduce(x)
         return {"rank": fsdplab.rank(), "host": socket.gethostname(), "master_addr": os.environ["MASTER_ADDR"],
-                "local_rank": fsdplab.dist.local_rank(), "node_rank": fsdplab.dist.node_rank(),
+                "local_rank": fsdplab.ranks.local_rank(), "node_rank": fsdplab.ranks.node_rank(),
                 "all_reduce": x.item(), "pid": os.getpid()}
 
     t = time.monotonic()

@@ -1,4 +1,4 @@
-"""fsdplab.network: the ratio lesson 07 quotes instead of "one to two orders of magnitude", the bytes that cross
+"""fsdplab.network and fsdplab.runtime.hosts: the ratio lesson 07 quotes instead of "one to two orders of magnitude", the bytes that cross
 node boundaries in the cost model, and this machine's interfaces and their byte counters."""
 
 import socket
@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from fsdplab import network
+from fsdplab.runtime import hosts
 
 
 def test_speed_ratio_comes_from_the_presets():
@@ -31,13 +32,13 @@ def test_cross_node_step_bytes():
 
 
 def test_loopback_route_and_counters():
-    assert network.route_address("127.0.0.1") == "127.0.0.1"
-    lo = network.interface_of("127.0.0.1")
-    assert network.boundary_interface("127.0.0.1") == lo
+    assert hosts.route_address("127.0.0.1") == "127.0.0.1"
+    lo = hosts.interface_of("127.0.0.1")
+    assert hosts.boundary_interface("127.0.0.1") == lo
     with pytest.raises(ValueError, match="no interface"):
-        network.interface_of("192.0.2.123")          # TEST-NET-1: never a local address
+        hosts.interface_of("192.0.2.123")          # TEST-NET-1: never a local address
     with pytest.raises(ValueError, match="no interface"):
-        network.interface_bytes("no-such-if0")
+        hosts.interface_bytes("no-such-if0")
     payload = b"x" * 2_000_000
     server = socket.create_server(("127.0.0.1", 0))
     received = []
@@ -50,11 +51,11 @@ def test_loopback_route_and_counters():
 
     reader = threading.Thread(target=drain)
     reader.start()
-    before = network.interface_bytes(lo)
+    before = hosts.interface_bytes(lo)
     with socket.create_connection(server.getsockname()) as client:
         client.sendall(payload)
     reader.join(timeout=30)
-    after = network.interface_bytes(lo)
+    after = hosts.interface_bytes(lo)
     server.close()
     assert sum(received) == len(payload)
     assert after["tx"] - before["tx"] >= len(payload)     # headers and other loopback traffic only add
@@ -62,7 +63,7 @@ def test_loopback_route_and_counters():
 
 def test_gloo_socket_ifname_wins(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9,eth8")
-    assert network.boundary_interface() == "eth9"
+    assert hosts.boundary_interface() == "eth9"
 
 
 def test_gloo_is_pinned_only_when_a_job_spans_machines_and_the_hostname_is_loopback(monkeypatch):
@@ -75,15 +76,15 @@ def test_gloo_is_pinned_only_when_a_job_spans_machines_and_the_hostname_is_loopb
     monkeypatch.setenv("MASTER_ADDR", own[0][1] if own else "127.0.0.1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert network.gloo_interface_for_nodes() is None              # one machine: loopback is fine
+    assert hosts.gloo_interface_for_nodes() is None              # one machine: loopback is fine
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     if own:
-        assert network.gloo_interface_for_nodes() == own[0][0]     # two machines: the interface to rank 0
+        assert hosts.gloo_interface_for_nodes() == own[0][0]     # two machines: the interface to rank 0
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    assert network.gloo_interface_for_nodes() is None              # rank 0 on loopback: nothing to pin
+    assert hosts.gloo_interface_for_nodes() is None              # rank 0 on loopback: nothing to pin
     monkeypatch.setenv("MASTER_ADDR", own[0][1] if own else "127.0.0.1")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "192.0.2.7")
-    assert network.gloo_interface_for_nodes() is None              # a routable hostname: gloo is right already
+    assert hosts.gloo_interface_for_nodes() is None              # a routable hostname: gloo is right already
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
-    assert network.gloo_interface_for_nodes() is None              # the user chose
+    assert hosts.gloo_interface_for_nodes() is None              # the user chose

@@ -9,10 +9,10 @@ import io
 
 import pytest
 
-from fsdplab import rank_output
-from fsdplab.cluster import Cluster
-from fsdplab.magics import _parser, ranks_magic
-from fsdplab.rank_output import Echo
+from fsdplab.runtime import output as rank_output
+from fsdplab.runtime.cluster import Cluster
+from fsdplab.runtime.magics import _parser, ranks_magic
+from fsdplab.runtime.output import Echo
 
 
 class Result:
@@ -201,7 +201,7 @@ def test_ranks_magic_restores_the_option_when_the_cell_fails(monkeypatch):
 
 
 def test_ranks_status_magic_takes_only_the_cluster_name(monkeypatch):
-    from fsdplab.magics import status_magic
+    from fsdplab.runtime.magics import status_magic
 
     cluster = Cluster(2)
     calls = []
@@ -231,14 +231,16 @@ class LateOutput:
 
 
 def test_the_last_lines_of_a_call_are_shown_even_when_they_arrive_after_its_result(capsys):
-    from fsdplab.waiting import Waiting
+    from fsdplab.runtime import call
+    from fsdplab.runtime.output import Echo
 
-    class Calls(Waiting):
-        timeout, quiet, output, world_size = 5, False, "lines", 2
+    class Group:   # two ranks that stay alive
+        world_size = 2
 
-        def _raise_if_dead(self):
-            pass
+        def dead(self):
+            return []
 
-    Calls()._wait({0: LateOutput("my shard [0.0]\n"), 1: LateOutput("my shard [1.0]\n")}, None, quiet=False)
+    call.wait(Group(), {0: LateOutput("my shard [0.0]\n"), 1: LateOutput("my shard [1.0]\n")}, 5,
+              Echo(enabled=True, view="lines"))
     out = capsys.readouterr().out
     assert "[rank 0] my shard [0.0]" in out and "[rank 1] my shard [1.0]" in out

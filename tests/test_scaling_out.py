@@ -3,6 +3,7 @@ of claim 19 and the exercise's checker, right and wrong answers against a count 
 
 import pytest
 
+import fsdplab
 from fsdplab import comms
 from fsdplab.exercises import check, keys
 from fsdplab.lessons import scaling_out as S
@@ -76,8 +77,8 @@ def test_real_nodes_cluster_options():
     assert S.real_nodes_cluster("none") == (0, None)
     assert S.real_nodes_cluster("local", 2, 2) == (4, {})
     assert S.real_nodes_cluster("slurm", 2, 1, "/etc/slurm/slurm.conf") == (
-        2, {"launcher": "slurm", "nodes": 2, "slurm_conf": "/etc/slurm/slurm.conf"})
-    assert S.real_nodes_cluster("slurm", 2, 2) == (4, {"launcher": "slurm", "nodes": 2})
+        2, {"launcher": fsdplab.Slurm(nodes=2, slurm_conf="/etc/slurm/slurm.conf")})
+    assert S.real_nodes_cluster("slurm", 2, 2) == (4, {"launcher": fsdplab.Slurm(nodes=2)})
     with pytest.raises(ValueError, match="nodes_launcher must be one of"):
         S.real_nodes_cluster("pbs")
     with pytest.raises(ValueError, match="nodes >= 2"):

@@ -296,7 +296,7 @@ def dropout_gradients(config, modes=("torch", "posts", "posts, non-reentrant"), 
     dropout) under FSDP2 over all ranks, once without checkpointing and once per mode, from the same
     weights, data and RNG seed; returns each mode's largest gradient difference from the plain run
     (gradients reduced over the ranks, compared in full) and the largest plain gradient, for scale."""
-    from ..dist import mesh, this_rank
+    from ..ranks import mesh, this_rank
     from ..sharding import apply_fsdp, loss_of
 
     batch = token_batch(config, batch_size, seq_len, seed=seed + this_rank())

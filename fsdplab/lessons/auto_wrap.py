@@ -87,7 +87,7 @@ def fsdp1_unit_count(config, min_num_params: float) -> dict:
     count `policy_units` predicts on a meta-device copy."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from ..dist import device
+    from ..ranks import device
     from ..sharding import apply_fsdp1
 
     predicted = len(policy_units(build(config, device="meta"), size_policy(min_num_params)))
@@ -105,7 +105,7 @@ def collectives_per_step(config, layout: str = "policy", min_num_params: float =
     and reduce-scatters launched, and the largest all-gather (bytes). `shard(model, units)` applies FSDP2
     (lesson 08 writes it in a cell; default: `sharding.apply_fsdp`)."""
     from ..comms import CommCounter
-    from ..dist import device, mesh, this_rank
+    from ..ranks import device, mesh, this_rank
     from ..sharding import apply_fsdp, make_optimizer, train_step
 
     model = build(config, device=device())

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ..exercises import close, exercise
-from ..faults import RankDied, RankError, RankHang
+from ..runtime.errors import RankDied, RankError, RankHang
 
 
 def default_timeouts() -> dict:

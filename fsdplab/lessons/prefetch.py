@@ -156,7 +156,7 @@ def compare_sharded_step(step_fn, dim: int = 8, batch_size: int = 4, seed: int =
     from torch.distributed.fsdp import fully_shard
 
     from ..comms import CommCounter
-    from ..dist import mesh, this_rank, world_size
+    from ..ranks import mesh, this_rank, world_size
 
     n, r = world_size(), this_rank()
     weight = torch.randn(dim * n, dim, generator=torch.Generator().manual_seed(seed))

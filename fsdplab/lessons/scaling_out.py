@@ -143,7 +143,7 @@ NODE_LAUNCHERS = ("none", "local", "slurm")
 NO_NODES_HELP = (
     "To run this section across real nodes, start JupyterLab on a Slurm login node and set nodes_launcher "
     "to slurm: the section then starts fsdplab.Cluster(world_size, "
-    "launcher='slurm', nodes=2), one or more ranks on each of two nodes, with slurm_conf naming the "
+    "launcher=fsdplab.Slurm(nodes=2)), one or more ranks on each of two nodes, with slurm_conf naming the "
     "cluster's slurm.conf if SLURM_CONF is not already set. nodes_launcher local runs the same code on this "
     "machine, where the loopback interface carries every byte, inside a node or not.")
 
@@ -161,10 +161,9 @@ def real_nodes_cluster(launcher: str, nodes: int = 2, ranks_per_node: int = 1, s
         return 0, None
     if launcher == "local":
         return nodes * ranks_per_node, {}
-    options = {"launcher": "slurm", "nodes": nodes}
-    if slurm_conf:
-        options["slurm_conf"] = slurm_conf
-    return nodes * ranks_per_node, options
+    from ..runtime.launchers import Slurm
+
+    return nodes * ranks_per_node, {"launcher": Slurm(nodes=nodes, slurm_conf=slurm_conf or None)}
 
 
 def wire_step(cfg=None, batch_size: int = 2, mesh=None, steps: int = 2, seed: int = 0) -> dict:
@@ -179,8 +178,8 @@ def wire_step(cfg=None, batch_size: int = 2, mesh=None, steps: int = 2, seed: in
 
     import torch.distributed as dist
 
-    from .. import network
-    from ..dist import this_rank
+    from ..ranks import this_rank
+    from ..runtime import hosts
     from ..models import TinyConfig, count_params
     from ..sharding import build_tiny, parallelize
 
@@ -193,15 +192,15 @@ def wire_step(cfg=None, batch_size: int = 2, mesh=None, steps: int = 2, seed: in
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     rank = this_rank()
     toy_step(model, optimizer, cfg, batch_size, seed + rank)
-    interface = network.boundary_interface()
+    interface = hosts.boundary_interface()
     dist.barrier()
-    before = network.interface_bytes(interface)
+    before = hosts.interface_bytes(interface)
     with CommCounter(mesh=mesh) as counter:
         for step in range(steps):
             toy_step(model, optimizer, cfg, batch_size, seed + rank + step, counter)
     dist.barrier()
-    after = network.interface_bytes(interface)
-    address = network.route_address(os.environ.get("MASTER_ADDR") or "127.0.0.1")
+    after = hosts.interface_bytes(interface)
+    address = hosts.route_address(os.environ.get("MASTER_ADDR") or "127.0.0.1")
     return {"events": counter.events, "param_bytes": param_bytes, "steps": steps, "interface": interface,
             "address": address, "tx": after["tx"] - before["tx"], "rx": after["rx"] - before["rx"],
             "backend": dist.get_backend()}

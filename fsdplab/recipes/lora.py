@@ -123,7 +123,7 @@ class StringTask:
 def train_steps(model, optimizer, task: StringTask, steps: int, *, batch_size: int = 8, seq_len=None,
                 seed: int = 0, log_every: int = 0, device=None) -> list:
     """Plain LoRA training loop; each rank draws its own batches. Returns this rank's losses."""
-    from ..dist import this_rank
+    from ..ranks import this_rank
     from ..sharding import train_step
 
     rank = this_rank()
@@ -200,7 +200,7 @@ def save_adapter(model, output_dir, adapter_name: str = "default") -> str | None
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from ..dist import this_rank
+    from ..ranks import this_rank
 
     state = adapter_state_dict(model)
     path = None
@@ -285,7 +285,7 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..network import gloo_interface_for_nodes
+    from ..runtime.hosts import gloo_interface_for_nodes
     from ..settings import GIB, TrainSetting
     from ..sharding import build_sharded, make_optimizer
 

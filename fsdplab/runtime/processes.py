@@ -1,16 +1,32 @@
-"""The processes behind a cluster: what the machine can start, and killing everything that was started.
+"""The processes behind a cluster: how one is started, what the machine can start, and killing everything
+that was started.
 
 Nothing here knows about ranks: a cluster hands over pids, psutil handles and its scratch folder.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import sys
 import time
 
 # Memory one CPU rank needs before it does any work (Python, torch, gloo, ipyparallel), measured on
 # torch 2.13: about 0.3 GiB. Used to refuse a world size the machine cannot start.
 _RANK_BYTES = 350 * 2**20
+
+
+# How rank processes on this machine are started: a JSON list, the command that runs `python -m MODULE` with
+# MODULE appended. `fsdplab run` sets it to its fork server's client (fsdplab.runner.forkserver); unset, a
+# fresh interpreter.
+PYTHON_COMMAND_ENV = "FSDPLAB_PYTHON_COMMAND"
+
+
+def python_command(module: str) -> list:
+    """The command that runs `python -m module` for a rank or the controller (see PYTHON_COMMAND_ENV)."""
+    prefix = os.environ.get(PYTHON_COMMAND_ENV)
+    return json.loads(prefix) + [module] if prefix else [sys.executable, "-m", module]
 
 
 def free_port() -> int:
@@ -33,7 +49,7 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
     """nccl when there is one GPU per rank, else gloo; raises ValueError with the fix for bad input."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}.")
-    _check_backend(backend)
+    check_backend(backend)
     if backend == "gloo":
         return "gloo"
     gpus = gpu_count()
@@ -44,7 +60,7 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
     return "nccl" if gpus >= world_size else "gloo"
 
 
-def _check_backend(backend) -> None:
+def check_backend(backend) -> None:
     if backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}.")
 
@@ -66,7 +82,7 @@ def check_capacity(world_size: int) -> None:
             f"{most * _RANK_BYTES / 2**30:.1f} GiB is available. Use world_size<={most}.")
 
 
-def _check_timeout(timeout, name: str = "timeout") -> None:
+def check_timeout(timeout, name: str = "timeout") -> None:
     if timeout is None:
         return
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -74,21 +90,21 @@ def _check_timeout(timeout, name: str = "timeout") -> None:
                          f"Leave it out for the cluster's default, or give e.g. {name}=60.")
 
 
-def _check_output(output) -> str:
+def check_output(output) -> str:
     if output not in ("lines", "tabs"):
         raise ValueError(f"output is 'lines' (labelled lines, the default) or 'tabs' (one tab per rank in "
                          f"JupyterLab), got {output!r}.")
     return output
 
 
-def _checked_env(env) -> dict:
+def checked_env(env) -> dict:
     """A copy of `env`, the variables every rank process starts with, once each is a string name and value."""
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
         raise ValueError(f"env maps variable names to string values, got {env!r}.")
     return dict(env or {})
 
 
-def _process_tree(pids) -> list:
+def process_tree(pids) -> list:
     """psutil.Process objects for `pids` and all their descendants (collected before anything is killed)."""
     import psutil
 
@@ -102,7 +118,7 @@ def _process_tree(pids) -> list:
     return procs
 
 
-def _kill_all(procs, wait_s: float = 5.0) -> list:
+def kill_all(procs, wait_s: float = 5.0) -> list:
     """SIGKILL each process and wait until it is gone; returns the ones still alive."""
     import psutil
 
@@ -114,27 +130,27 @@ def _kill_all(procs, wait_s: float = 5.0) -> list:
     # Our own children are reaped here; a killed process whose parent died too is a zombie until init
     # reaps it (seconds, on some machines), but it is dead: it runs nothing and holds no socket.
     deadline = time.monotonic() + wait_s
-    alive = list(procs)
-    while alive:
-        psutil.wait_procs(alive, timeout=0.01)
-        alive = [p for p in alive if _alive(p)]
+    left = list(procs)
+    while left:
+        psutil.wait_procs(left, timeout=0.01)
+        left = [p for p in left if alive(p)]
         if time.monotonic() > deadline:
             break
-    return alive
+    return left
 
 
-def _cleanup(ipp_cluster, pids, reaper, workdir, jobs=(), slurm_env=None):
+def cleanup(ipp_cluster, pids, reaper, workdir, jobs=(), slurm_env=None):
     """Cancel a cluster's Slurm jobs, kill its processes and its watcher, and remove its scratch folder;
     safe to call twice, never raises (the garbage collector and interpreter exit call it too)."""
     if jobs:
         try:
-            from . import slurm
+            from .launchers import slurm
 
             slurm.cancel(list(jobs), slurm_env, wait_s=10)
         except Exception:  # noqa: BLE001
             pass
     try:
-        _kill_all(_process_tree(pids), wait_s=3)
+        kill_all(process_tree(pids), wait_s=3)
     except Exception:  # noqa: BLE001
         pass
     try:
@@ -152,7 +168,7 @@ def _cleanup(ipp_cluster, pids, reaper, workdir, jobs=(), slurm_env=None):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _alive(proc) -> bool:
+def alive(proc) -> bool:
     import psutil
 
     try:
@@ -161,7 +177,7 @@ def _alive(proc) -> bool:
         return False
 
 
-def _cmdline(proc) -> list:
+def cmdline(proc) -> list:
     try:
         return proc.cmdline()
     except Exception:  # noqa: BLE001

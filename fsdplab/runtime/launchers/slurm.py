@@ -1,6 +1,6 @@
 """Ranks on the nodes of a Slurm cluster: the options, their checks, and the job's life.
 
-`Cluster(world_size, launcher="slurm", nodes=2, ...)` keeps the kernel and the ipyparallel controller
+`Cluster(world_size, launcher=fsdplab.Slurm(nodes=2, ...))` keeps the kernel and the ipyparallel controller
 where the notebook runs (a login node) and starts the ranks with ipyparallel's own Slurm engine
 launcher: one `sbatch` job, one `srun` task per rank. Everything here is what fsdplab adds to it: the
 batch script (nodes, tasks per node, GPUs, partition, time limit, extra #SBATCH lines), checks that
@@ -23,7 +23,8 @@ import subprocess
 import sys
 import time
 
-from . import remote
+from ..hosts import this_address
+from .remote import RemoteLauncher
 
 TOOLS = ("sbatch", "squeue", "scancel", "sinfo")
 # Slurm job states that end a job: the ranks will never start.
@@ -89,7 +90,7 @@ def _node_gpus(env: dict, partition) -> list[int]:
 def options(world_size: int, backend: str, *, nodes, gpus_per_node, partition, time_limit, sbatch_args,
             slurm_conf, address) -> tuple[SlurmOptions, str]:
     """Checked options and the backend ('auto' -> nccl when the nodes have a GPU per rank; the caller,
-    fsdplab.launchers.options, has checked its name)."""
+    Slurm.prepare, has checked its name)."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         raise ValueError(f"launcher='slurm' needs Slurm's tools ({', '.join(missing)} not found). Run the "
@@ -144,24 +145,6 @@ def cpus_per_task(sbatch_args) -> int:
     return cpus
 
 
-def this_address() -> str:
-    """This machine's address as the nodes see it: what its host name resolves to, unless that is a
-    loopback address (Debian maps the host name to 127.0.1.1); then the first address of an interface."""
-    import psutil
-
-    from .network import host_address
-
-    resolved = host_address()
-    if not resolved.startswith("127."):
-        return resolved
-    for name, addresses in psutil.net_if_addrs().items():
-        for a in addresses:
-            if a.family == socket.AF_INET and not a.address.startswith("127."):
-                return a.address
-    raise ValueError("this machine has no network address other than loopback: the nodes cannot reach it. "
-                     "Pass address= (where the nodes reach this machine).")
-
-
 def batch_template(opts: SlurmOptions) -> str:
     """ipyparallel's Slurm engine script with fsdplab's layout: `per_node` tasks on each of `nodes` nodes."""
     lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=fsdplab-{cluster_id}",
@@ -180,14 +163,6 @@ def batch_template(opts: SlurmOptions) -> str:
     cpus = opts.cpus_per_task
     lines.append("srun --kill-on-bad-exit=0 " + (f"--cpus-per-task={cpus} " if cpus > 1 else "") + "{program_and_args}")
     return "\n".join(lines) + "\n"
-
-
-def configure(ipp_cluster, opts: SlurmOptions, env: dict) -> None:
-    """Point an ipp.Cluster (engines="slurm") at the nodes: batch script, engine environment."""
-    launcher = ipp_cluster.config.SlurmEngineSetLauncher
-    launcher.batch_template = batch_template(opts)
-    # sbatch runs with the kernel's environment plus these; --export=ALL hands them to every rank.
-    launcher.environment = {**env, **({"SLURM_CONF": opts.env["SLURM_CONF"]} if "SLURM_CONF" in opts.env else {})}
 
 
 def job_ids(ipp_cluster) -> list[str]:
@@ -251,8 +226,72 @@ def placement() -> dict:
             "localid": number("SLURM_LOCALID"), "host": socket.gethostname(), "pid": os.getpid()}
 
 
-def join_group(cluster) -> tuple[list, list, dict]:
-    """`remote.join_group` with each engine's place read from Slurm's task variables (`placement`)."""
-    client = cluster._client
-    places = client[cluster._engine_ids].apply_async(placement).get(timeout=120)
-    return remote.join_group(cluster, places)
+@dataclasses.dataclass(frozen=True)
+class Slurm(RemoteLauncher):
+    """The ranks run in one Slurm job of `nodes` nodes: Cluster(8, launcher=Slurm(nodes=2, partition="gpu")).
+
+    `gpus_per_node` (default: one per rank under nccl), `partition`, `time_limit` (sbatch --time, e.g.
+    "1:00:00"), `sbatch_args` (more sbatch options, e.g. ["--account=proj"]; CPU ranks run as many threads as
+    its --cpus-per-task, else 1), `slurm_conf` (default $SLURM_CONF), `address` (where the nodes reach this
+    machine; default what its host name resolves to). A job still pending after the cluster's start_timeout
+    is cancelled, with Slurm's reason."""
+
+    kind = "slurm"
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    time_limit: str | None = None
+    sbatch_args: list | None = None
+    slurm_conf: str | None = None
+    address: str | None = None
+
+    def prepare(self, world_size: int, backend: str) -> tuple:
+        from ..processes import check_backend, choose_backend
+
+        choose_backend(world_size, "gloo")  # checks world_size
+        check_backend(backend)
+        return options(world_size, backend, nodes=self.nodes or 1, gpus_per_node=self.gpus_per_node,
+                       partition=self.partition, time_limit=self.time_limit, sbatch_args=self.sbatch_args,
+                       slurm_conf=self.slurm_conf, address=self.address)
+
+    def threads(self, plan, world_size: int, backend: str) -> int:
+        return plan.cpus_per_task if backend == "gloo" else 4   # a Slurm task gets one CPU unless asked for more
+
+    def configure(self, ipp, plan, env: dict, path) -> None:
+        """Point ipyparallel's Slurm launcher at the nodes: batch script, engine command and environment."""
+        launcher = ipp.config.SlurmEngineSetLauncher
+        launcher.batch_template = batch_template(plan)
+        # sbatch runs with the kernel's environment plus these; --export=ALL hands them to every rank.
+        launcher.environment = {**env, **({"SLURM_CONF": plan.env["SLURM_CONF"]} if "SLURM_CONF" in plan.env else {})}
+        launcher.batch_file_name = path("slurm_engines.sbatch")
+        launcher.engine_args = list(ipp.config.LocalEngineSetLauncher.engine_args)
+        launcher.engine_cmd = list(ipp.config.LocalEngineSetLauncher.engine_cmd)
+
+    def refused(self, error: Exception) -> str | None:
+        if isinstance(error, subprocess.CalledProcessError):
+            return (f"sbatch refused the job (exit code {error.returncode}; its message is printed above): check "
+                    "nodes=, partition=, time_limit= and sbatch_args=.")
+        return None
+
+    def jobs(self, ipp) -> list:
+        return job_ids(ipp)
+
+    def tool_env(self, plan) -> dict | None:
+        return plan.env
+
+    def start_problem(self, plan, ipp, jobs: list, waited_s: float, timed_out: bool) -> str | None:
+        if not jobs:
+            return None
+        problem = start_problem(jobs[0], plan.env, waited_s, timed_out)
+        if problem:
+            left = cancel(jobs, plan.env)
+            problem += f" (squeue still lists {left})" if left else ""
+        return problem
+
+    def places(self, plan, group) -> list:
+        return group.client[group.engine_ids].apply_async(placement).get(timeout=120)
+
+    def stop(self, plan, ipp, jobs: list) -> list:
+        """Cancel the ranks' job; its steps stop while the controller is still there."""
+        jobs[:] = cancel(jobs, plan.env) if jobs else []
+        return [f"Slurm job {j} (squeue still lists it)" for j in jobs]

@@ -1,8 +1,8 @@
 """Tracebacks from the ranks, told in the notebook's terms: `Cell In[N], line L`, the user's frames first.
 
-A rank sends back the frames of its exception (fsdplab.dist.Failure). The kernel formats them: a frame
+A rank sends back the frames of its exception (fsdplab.runtime.on_rank.Failure). The kernel formats them: a frame
 in code the notebook ran is named by its cell, as IPython does; the lab's own plumbing (ipyparallel,
-fsdplab.cluster, fsdplab.dist) is dropped; a run of library frames (torch, the standard library) shrinks
+fsdplab.runtime, fsdplab.ranks) is dropped; a run of library frames (torch, the standard library) shrinks
 to its last frame and a count.
 """
 
@@ -17,7 +17,7 @@ import types
 
 # Frames that are the lab's plumbing, never the user's code.
 _PLUMBING = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets)[/\\]"
-                       r"|[/\\]fsdplab[/\\](cluster|dist|magics)\.py$|^<frozen runpy>$")
+                       r"|[/\\]fsdplab[/\\]runtime[/\\](cluster|call|on_rank|magics)\.py$|[/\\]fsdplab[/\\]ranks\.py$|^<frozen runpy>$")
 # Longest first: site-packages lives inside the standard library's folder.
 _LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in
                                (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],

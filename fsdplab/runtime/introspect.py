@@ -1,6 +1,6 @@
 """What each rank is doing right now: the collective it waits in or finished last, and where in user code.
 
-Each rank runs a small answering thread (started by fsdplab.dist.setup). The kernel writes a request to
+Each rank runs a small answering thread (started by fsdplab.runtime.on_rank.setup). The kernel writes a request to
 the rank's ask file (a named pipe), or, for a rank on another machine, sends it over TCP with the
 cluster's token (no shared filesystem); the thread answers with a snapshot: the Python frames of the rank's
 main thread, the last collectives from torch's flight recorder (TORCH_FR_BUFFER_SIZE, which records op,
@@ -31,11 +31,11 @@ _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16
 
 
 # --- on the rank --------------------------------------------------------------------------------
-_RANK_STATE: dict = {}   # fsdplab.dist's per-rank state, handed over by start_answering (no import cycle)
+_RANK_STATE: dict = {}   # fsdplab.runtime.on_rank's per-rank state, handed over by start_answering (no import cycle)
 
 
 def start_answering(ask_file, rank_state: dict):
-    """Start the thread that answers the kernel (once per rank process). `rank_state` is fsdplab.dist's
+    """Start the thread that answers the kernel (once per rank process). `rank_state` is fsdplab.runtime.on_rank's
     live state dict: what the rank is running ("now") and its world size.
 
     `ask_file`: a path, for a kernel on this machine (a named pipe in the cluster's scratch folder); or
@@ -108,9 +108,9 @@ def snapshot() -> dict:
     main = threading.main_thread().ident
     frame = sys._current_frames().get(main)
     frames = [(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack(frame)] if frame else []
-    # Only what runs below the kernel's call (fsdplab.dist.call / run_source) is the user's; an idle
+    # Only what runs below the kernel's call (fsdplab.runtime.on_rank.call / run_source) is the user's; an idle
     # rank shows none.
-    entries = [i for i, f in enumerate(frames) if f[0].endswith(os.path.join("fsdplab", "dist.py"))
+    entries = [i for i, f in enumerate(frames) if f[0].endswith(os.path.join("fsdplab", "runtime", "on_rank.py"))
                and f[2] in ("call", "run_source")]
     frames = frames[entries[-1] + 1:] if entries else []
     now = _RANK_STATE.get("now")

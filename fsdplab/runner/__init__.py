@@ -11,7 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import estimates_ahead, forkserver, site
+from .. import estimates_ahead, site
+from . import forkserver
 
 
 def declared_parameters(path) -> list:
@@ -75,7 +76,7 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     FSDPLAB_FIGURES=`figures` (default: the user's FSDPLAB_FIGURES, else `out_dir`/figures); its temporary
     files go to a folder of its own that is removed when the lesson ends, failed or not. The lessons share
     one FSDPLAB_ESTIMATE_CACHE (the user's, else a temporary one removed at the end), and their ranks are
-    forks of one fork server (fsdplab.forkserver) that lives as long as the run, as are their kernels."""
+    forks of one fork server (fsdplab.runner.forkserver) that lives as long as the run, as are their kernels."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_info.json").write_text(json.dumps(site.run_info()))   # the machine, for `fsdplab site`
@@ -85,7 +86,7 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     ahead = server = server_dir = None
     try:
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
-            # The lessons' ranks are forks of one process that imported torch once (fsdplab.forkserver).
+            # The lessons' ranks are forks of one process that imported torch once (fsdplab.runner.forkserver).
             if forkserver.available():
                 server_dir = tempfile.mkdtemp(prefix="fsdplab-forkserver-", dir=_short_temp_dir())
                 server = forkserver.start(server_dir)
@@ -158,7 +159,7 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress) -> t
                                 # cells' errors are in the executed notebook and the summary.
                                 extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
                                 # The last cell has run: end the kernel at once rather than wait ~1 s
-                                # for its exit handlers; its watcher (fsdplab._reaper) ends any ranks.
+                                # for its exit handlers; its watcher (fsdplab.runtime.reaper) ends any ranks.
                                 shutdown_kernel="immediate")
     except pm.PapermillExecutionError as e:
         status = "FAILED"

@@ -1,6 +1,6 @@
 """Watcher that kills a cluster's processes when the notebook kernel that owns them is gone.
 
-Run as `python -m fsdplab._reaper KERNEL_PID WORKDIR`, before the cluster starts any process. When the
+Run as `python -m fsdplab.runtime.reaper KERNEL_PID WORKDIR`, before the cluster starts any process. When the
 kernel is gone it kills every process started for the cluster: those listed in WORKDIR/pids and any
 process whose command line or environment names WORKDIR (ipyparallel passes its profile folder, which
 lives there, to the controller and every engine), so a kernel killed half-way through start-up leaves

@@ -1,6 +1,6 @@
 """Stand-in for `python -m MODULE ARGS...` that asks fsdplab's fork server to run MODULE in a fork of itself.
 
-    python -I .../fsdplab/_fork_client.py MODULE [ARGS...]
+    python -I .../fsdplab/runner/fork_client.py MODULE [ARGS...]
 
 Run by path in isolated mode, it imports only the standard library (about 20 ms) instead of torch. It sends
 the server its environment, working folder and standard streams, then stays as the process its launcher

@@ -71,7 +71,7 @@ def _find_cluster(name, user_ns: dict) -> Cluster:
         if not isinstance(cluster, Cluster):
             raise ValueError(f"-c {name}: no fsdplab.Cluster named {name!r} in this notebook.")
         return cluster
-    running = [v for v in user_ns.values() if isinstance(v, Cluster) and v._client is not None]
+    running = [v for v in user_ns.values() if isinstance(v, Cluster) and v.running]
     if not running and Cluster.latest() is not None:
         running = [Cluster.latest()]
     if not running:

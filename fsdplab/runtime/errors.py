@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import signal
 
-from . import hang
+from . import introspect
 from .tracebacks import describe_failures, group_same, rank_list
 
 class _ShownInNotebook:
@@ -107,11 +107,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _MACHINERY = re.compile(r"(ipykernel|IPython|ipyparallel|tornado|traitlets|asyncio|zmq)[/\\]|<frozen runpy>")
 
 
-def _strip_ansi(text: str) -> str:
+def strip_ansi(text: str) -> str:
     return _ANSI.sub("", text)
 
 
-def _stack_of_thread(dump: str, thread_id: int) -> str:
+def stack_of_thread(dump: str, thread_id: int) -> str:
     """The block of a faulthandler dump that belongs to one thread, oldest call first."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump)
     wanted = f"0x{thread_id:016x}"
@@ -125,13 +125,13 @@ def _stack_of_thread(dump: str, thread_id: int) -> str:
     return dump.strip()
 
 
-def _is_failure(value) -> bool:
-    from .dist import Failure
+def is_failure(value) -> bool:
+    from .on_rank import Failure
 
     return isinstance(value, Failure)
 
 
-def _failures(results: dict) -> dict:
+def failures_in(results: dict) -> dict:
     out = {}
     for r, ar in results.items():
         if ar.ready():
@@ -139,20 +139,20 @@ def _failures(results: dict) -> dict:
                 value = ar.get(0)
             except Exception:  # noqa: BLE001 - reported when the call ends
                 continue
-            if _is_failure(value):
+            if is_failure(value):
                 out[r] = value
     return out
 
 
-def _running_text(rank: int, state: dict, alive: bool) -> str:
+def running_text(rank: int, state: dict, alive: bool) -> str:
     if not alive:
         return "dead"
     if not state:
         return "busy (did not answer)"
-    return hang.explain(rank, state).split(" ", 2)[2]
+    return introspect.explain(rank, state).split(" ", 2)[2]
 
 
-def _status_table(rows: list) -> str:
+def status_table(rows: list) -> str:
     def gib(n):
         return "-" if n is None else f"{n / 2**30:.2f}"
 

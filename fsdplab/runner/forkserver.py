@@ -4,7 +4,7 @@ Every rank process (and the cluster's controller) otherwise starts a fresh Pytho
 and torch: about 3.5 s of CPU each, on every start and restart; each lesson's kernel imports torch,
 matplotlib and ipykernel too. `fsdplab run` starts one server for the whole run (`start`) and points the
 `python3` kernel spec at it (`kernel_spec`); the kernels, and clusters on this machine, then launch
-`_fork_client.py`, which asks the server for a fork that runs the module as `python -m` would, with the
+`fork_client.py`, which asks the server for a fork that runs the module as `python -m` would, with the
 client's environment, working folder and standard streams. The client stays the process its launcher
 (ipyparallel, jupyter_client) watches: it passes signals on and exits as the fork did.
 
@@ -13,7 +13,7 @@ the server kills a fork whose client is gone (a killed
 launcher, a killed kernel's watcher). The server dies with the process that started it. Without a server
 (`FSDPLAB_FORKSERVER` unset or not answering), ranks start as before.
 
-    python -c "import sys; from fsdplab.forkserver import serve; serve(sys.argv[1])" SOCKET   (what `start` runs)
+    python -c "import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1])" SOCKET   (what `start` runs)
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ENV = "FSDPLAB_FORKSERVER"
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"   # what ipykernel sets when MPLBACKEND is unset
-CLIENT = str(Path(__file__).resolve().parent / "_fork_client.py")
+CLIENT = str(Path(__file__).resolve().parent / "fork_client.py")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -48,13 +48,26 @@ def command(module: str) -> list:
     return [sys.executable, "-m", module]
 
 
+def point_clusters_at(path: str | None) -> None:
+    """Set (or, for None, unset) FSDPLAB_FORKSERVER and the command clusters start their ranks with
+    (fsdplab.runtime.processes.python_command), for this process and the kernels it starts."""
+    from ..runtime.processes import PYTHON_COMMAND_ENV
+
+    if path is None:
+        os.environ.pop(ENV, None)
+        os.environ.pop(PYTHON_COMMAND_ENV, None)
+    else:
+        os.environ[ENV] = path
+        os.environ[PYTHON_COMMAND_ENV] = json.dumps([sys.executable, "-I", CLIENT])
+
+
 def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
     """Start a server listening in `folder`, set FSDPLAB_FORKSERVER for this process and its children, and
     return the server's process (None where fork servers do not work, see `available`, or it did not start)."""
     if not available():
         return None
     path = os.path.join(folder, "forkserver.sock")
-    process = subprocess.Popen([sys.executable, "-c", "import sys; from fsdplab.forkserver import serve; serve(sys.argv[1])", path],
+    process = subprocess.Popen([sys.executable, "-c", "import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1])", path],
                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
                                env={"MPLBACKEND": INLINE_BACKEND, **os.environ, "OPENBLAS_NUM_THREADS": "1",
                                     "PYTHONUNBUFFERED": "1"})
@@ -64,7 +77,7 @@ def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
             stop(process)
             return None
         time.sleep(0.01)
-    os.environ[ENV] = path
+    point_clusters_at(path)
     return process
 
 
@@ -81,7 +94,7 @@ def kernel_spec(folder: str) -> str:
 
 def stop(process: subprocess.Popen | None) -> None:
     """End the server and every process forked from it; unset FSDPLAB_FORKSERVER."""
-    os.environ.pop(ENV, None)
+    point_clusters_at(None)
     if process is None or process.poll() is not None:
         return
     process.kill()   # its forks get SIGKILL from the kernel as it dies (PR_SET_PDEATHSIG)
@@ -107,7 +120,7 @@ def _warm() -> None:
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
-    import fsdplab.dist  # noqa: F401
+    import fsdplab.runtime.on_rank  # noqa: F401
 
 
 def _receive(conn: socket.socket) -> tuple:
@@ -151,9 +164,9 @@ def _run_child(request: dict, fds: list, server: int) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        from . import dist
+        from ..runtime import on_rank as dist
 
-        # The client's pid, for this process only (dist.setup reports it): what this process starts the
+        # The client's pid, for this process only (on_rank.setup reports it): what this process starts the
         # ordinary way was not launched by the client.
         stand_in = os.environ.pop("FSDPLAB_LAUNCHED_BY", None)
         dist.launched_by = int(stand_in) if stand_in else None

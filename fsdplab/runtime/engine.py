@@ -1,6 +1,6 @@
 """A rank process: an ipyparallel engine that imports torch while it registers with the controller.
 
-Run as `python -m fsdplab._engine [ipengine options]`. Registration mostly waits on the controller's
+Run as `python -m fsdplab.runtime.engine [ipengine options]`. Registration mostly waits on the controller's
 heartbeat; importing torch (about 2 s) in that time instead of at the first call shortens start-up.
 """
 
@@ -9,7 +9,7 @@ import threading
 
 def _import_torch():
     try:
-        import torch.distributed.device_mesh  # noqa: F401 - warms the import for fsdplab.dist.setup
+        import torch.distributed.device_mesh  # noqa: F401 - warms the import for fsdplab.runtime.on_rank.setup
     except Exception:  # noqa: BLE001 - setup() imports it again and reports any error there
         pass
 

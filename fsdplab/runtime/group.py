@@ -1,0 +1,101 @@
+"""The ranks of a started cluster as the kernel sees them.
+
+A `Group` holds what one start of a cluster made: ipyparallel's cluster and client, each rank's engine id and
+process handle, what each rank's setup returned, the settings the ranks joined with, and the scratch folder.
+It answers for the ranks: which are alive, how a dead one exited, what each is doing (`ask`), and where a stuck
+one is (`stacks`). The cluster owns one; waiting on calls (fsdplab.runtime.call) and the launchers use it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from . import introspect
+from .errors import stack_of_thread
+from .launchers.remote import RemoteRank
+from .processes import alive
+
+
+class Group:
+    def __init__(self, world_size: int, backend: str, collective_timeout: float, threads: int, workdir: str):
+        self.world_size, self.backend = world_size, backend
+        self.collective_timeout, self.threads, self.workdir = collective_timeout, threads, workdir
+        self.ipp = self.client = None
+        self.engine_ids: list = []      # engine id of each rank, in rank order
+        self.procs: dict = {}           # rank -> psutil.Process (RemoteRank for a rank on another node)
+        self.launched_by: dict = {}     # rank pid -> the launcher's process, where they differ (fork server)
+        self.info: list = []            # what each rank's setup returned, in rank order
+        self.broken: str | None = None  # why the group is unusable, or None
+        self.on_broken = None           # called with the reason when the group breaks (the cluster starts spares)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.workdir, name)
+
+    def mark_broken(self, reason: str) -> None:
+        self.broken = reason
+        if self.on_broken is not None:
+            self.on_broken(reason)
+
+    def rank_alive(self, rank: int) -> bool:
+        proc = self.procs[rank]
+        return proc.alive(self.client) if isinstance(proc, RemoteRank) else alive(proc)
+
+    def dead(self) -> list:
+        return [r for r in self.procs if not self.rank_alive(r)]
+
+    def host_of(self, rank: int) -> str | None:
+        return getattr(self.procs[rank], "host", None)
+
+    def ask(self, ranks: list, wait_s: float = 1.0, request: str | None = None) -> dict:
+        """What each live rank of `ranks` is doing (fsdplab.runtime.introspect), by rank."""
+        live = [r for r in ranks if r in self.procs and self.rank_alive(r)]
+        return introspect.ask({r: self.procs[r].ask_target if isinstance(self.procs[r], RemoteRank)
+                               else self.path(f"ask-rank{r}") for r in live}, wait_s=wait_s, request=request)
+
+    def signal(self, rank: int, sig) -> None:
+        try:
+            self.procs[rank].send_signal(sig)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+
+    def stacks(self, stuck: list) -> dict:
+        """The main thread's stack of each rank in `stuck` on this machine, from faulthandler (a rank stuck in a
+        collective sits in C++ code, where only faulthandler's signal reaches it)."""
+        offsets = {}
+        stuck = [r for r in stuck if not isinstance(self.procs.get(r), RemoteRank)]  # no file to read there
+        for r in stuck:
+            path = self.path(f"stack-rank{r}.txt")
+            offsets[r] = os.path.getsize(path) if os.path.exists(path) else 0
+            self.signal(r, signal.SIGUSR1)
+        time.sleep(0.5)
+        stacks = {}
+        for r in stuck:
+            try:
+                with open(self.path(f"stack-rank{r}.txt")) as f:
+                    f.seek(offsets[r])
+                    stacks[r] = stack_of_thread(f.read(), self.info[r]["main_thread"])
+            except OSError:
+                stacks[r] = "(no stack captured)"
+        return stacks
+
+    def exit_code(self, rank: int):
+        proc = self.procs[rank]
+        if isinstance(proc, RemoteRank):
+            return None  # the launcher does not report it (Slurm without accounting): "lost contact"
+        proc = self.launched_by.get(proc.pid, proc)   # forked: its stand-in exits with the same code
+        # ipyparallel's launcher thread reaps the engine and psutil caches the code on that Process
+        # object; waiting here as well would race it for the code.
+        # Copies: ipyparallel drops a dead engine from these tables while we look.
+        for engine_set in list(self.ipp.engines.values()) if self.ipp is not None else []:
+            for launcher in list(getattr(engine_set, "launchers", {}).values()):
+                if launcher.pid == proc.pid and getattr(launcher, "_wait_thread", None) is not None:
+                    launcher._wait_thread.join(timeout=5)
+        code = getattr(proc, "_exitcode", None)
+        if not isinstance(code, int):
+            try:
+                code = proc.wait(timeout=1)
+            except Exception:  # noqa: BLE001
+                code = None
+        return None if code is None else int(code)
