@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fsdplab import forkserver
+from fsdplab.runner import forkserver
 from fsdplab.cli import _value, lesson_paths, run_lessons
 
 TARGET_S = 240.0
