@@ -2,7 +2,11 @@
 per-call overhead (collective record on and off), hang detection, restart after a fault, stop, and a flood of
 output.
 
-    python benchmarks/cluster.py [--world-size 2] [--calls 50] [--repeats 3]
+    python benchmarks/cluster.py [--world-size 2] [--calls 50] [--repeats 3] [--before COMMIT] [--start-only]
+
+--before COMMIT adds the start row of another commit's code (`git archive COMMIT fsdplab`, unpacked in a
+temporary folder), measured in turns with torchrun and this tree, and the ratio of the two. --start-only prints
+the start rows alone.
 
 Prints a table. Timings depend on the machine and its load: run it on an idle machine, and compare rows
 measured in the same run.
@@ -22,7 +26,7 @@ from pathlib import Path
 import psutil
 
 import fsdplab
-from fsdplab import forkserver
+from fsdplab.runner import forkserver
 
 # The same work for both launchers: start the ranks, one all_reduce, stop.
 TORCHRUN_SCRIPT = """
@@ -44,25 +48,45 @@ with fsdplab.Cluster(int(sys.argv[1]), backend="gloo", quiet=True) as cluster:
 """
 
 
-def _whole_process(argv) -> float:
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _whole_process(argv, code_root: str | None = None) -> float:
+    env = dict(os.environ, PYTHONPATH=code_root) if code_root else None
     t = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=code_root)
     return time.perf_counter() - t
 
 
-def launcher_rows(world_size: int, repeats: int) -> list:
+def launcher_rows(world_size: int, repeats: int, before: str | None = None) -> list:
+    """Start, one all_reduce and stop, timed as whole processes: torchrun, this tree's fsdplab and (with
+    `before`) another commit's, in turns whose order rotates, so that each sees the same machine load."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from estimate import unpack   # the same `git archive` unpacking the estimator benchmark uses
+
     folder = Path(tempfile.mkdtemp(prefix="fsdplab-bench-"))
     (folder / "tr.py").write_text(TORCHRUN_SCRIPT)
     (folder / "lab.py").write_text(FSDPLAB_SCRIPT)
-    torchrun, lab = [], []
-    for _ in range(repeats):  # interleaved, so both see the same machine load
-        torchrun.append(_whole_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                        f"--nproc-per-node={world_size}", str(folder / "tr.py")]))
-        lab.append(_whole_process([sys.executable, str(folder / "lab.py"), str(world_size)]))
-    t, f = statistics.median(torchrun), statistics.median(lab)
-    return [(f"torchrun: start, all_reduce, exit (median of {repeats})", t, "whole process"),
-            (f"fsdplab: start, all_reduce, stop (median of {repeats})", f, "whole process"),
+    runs = {"torchrun": lambda: _whole_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                f"--nproc-per-node={world_size}", str(folder / "tr.py")]),
+            "after": lambda: _whole_process([sys.executable, str(folder / "lab.py"), str(world_size)], ROOT)}
+    if before:
+        old = unpack(before, tempfile.mkdtemp(prefix="fsdplab-bench-before-"))
+        runs["before"] = lambda: _whole_process([sys.executable, str(folder / "lab.py"), str(world_size)], old)
+    seconds = {name: [] for name in runs}
+    names = list(runs)
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            seconds[name].append(runs[name]())
+    t, f = statistics.median(seconds["torchrun"]), statistics.median(seconds["after"])
+    rows = [(f"torchrun: start, all_reduce, exit (median of {repeats})", t, "whole process"),
+            (f"fsdplab: start, all_reduce, stop (median of {repeats})", f, "whole process, this tree"),
             ("fsdplab / torchrun", f / t, "ratio, target <= 1.0")]
+    if before:
+        b = statistics.median(seconds["before"])
+        rows += [(f"fsdplab at {before[:12]}: the same (median of {repeats})", b, "whole process"),
+                 ("this tree / that commit", f / b, "ratio"), ("that commit / torchrun", b / t, "ratio")]
+    return rows
 
 
 def forkserver_rows(world_size: int, repeats: int) -> list:
@@ -71,19 +95,20 @@ def forkserver_rows(world_size: int, repeats: int) -> list:
     server = forkserver.start(tempfile.mkdtemp(prefix="fsdplab-bench-"))
     if server is None:
         return [("fork server", float("nan"), "not available on this platform")]
-    path = os.environ.pop(forkserver.ENV)
+    path = os.environ[forkserver.ENV]
+    forkserver.point_clusters_at(None)
     seconds, cpu = {False: [], True: []}, {False: [], True: []}
     try:
         for i in range(repeats + 1):   # the first round waits for the server's own imports: not counted
             for forked in (False, True):
                 if forked:
-                    os.environ[forkserver.ENV] = path
+                    forkserver.point_clusters_at(path)
                 t = time.perf_counter()
                 cluster = fsdplab.Cluster(world_size, backend="gloo", quiet=True, spares=False).start()
                 elapsed = time.perf_counter() - t
                 used = sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in cluster.pids)
                 cluster.stop()
-                os.environ.pop(forkserver.ENV, None)
+                forkserver.point_clusters_at(None)
                 if i:
                     seconds[forked].append(elapsed)
                     cpu[forked].append(used)
@@ -209,13 +234,21 @@ def main():
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hang-timeout", type=float, default=3.0)
+    parser.add_argument("--before", help="a commit whose start to compare with, in the same run")
+    parser.add_argument("--start-only", action="store_true", help="only the whole-process start rows")
     args = parser.parse_args()
 
-    rows = launcher_rows(args.world_size, args.repeats)
+    rows = launcher_rows(args.world_size, args.repeats, args.before)
+    if args.start_only:
+        _print(args, rows)
+        return
     rows += forkserver_rows(args.world_size, args.repeats)
     rows += record_rows(args.world_size, args.calls)
     rows += fault_rows(args.world_size, args.hang_timeout)
+    _print(args, rows)
 
+
+def _print(args, rows) -> None:
     print(f"\nfsdplab cluster benchmark: world_size={args.world_size}, backend=gloo, "
           f"{psutil.cpu_count()} CPU(s), load average {psutil.getloadavg()[0]:.1f}")
     print(f"{'measure':<52} {'value':>9}  note")
