@@ -1,5 +1,5 @@
 """The run's estimate cache: `fsdplab run` sets FSDPLAB_ESTIMATE_CACHE (a folder) so that lessons, and the
-estimates made ahead (fsdplab.estimates_ahead), work out each exact estimate once. A report is kept under a hash
+estimates made ahead (fsdplab.runner.estimates_ahead), work out each exact estimate once. A report is kept under a hash
 of its setting, the torch version and fsdplab's code; a `.pending` marker beside it names the process making it,
 so that another process waits for it instead of making it twice. Without the variable nothing is cached.
 """
@@ -82,7 +82,7 @@ def _marker_maker(marker: Path) -> dict | None:
 
 
 def estimate_under_way(setting: TrainSetting) -> bool:
-    """Whether another live process is estimating `setting` now (fsdplab.estimates_ahead). A marker whose maker
+    """Whether another live process is estimating `setting` now (fsdplab.runner.estimates_ahead). A marker whose maker
     is gone (an interrupted run; its pid now someone else's) is stale: it is removed."""
     marker = pending_path(setting)
     if marker is None or not marker.exists():

@@ -15,10 +15,6 @@ communication_buffers, other.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,8 +23,7 @@ from . import estimate_cache
 from .allocator import allocator_view
 from ._torch_private import CATEGORIES
 from .report import CATEGORY_LABELS, MemoryReport
-from .settings import (EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice, setting_from_payload,
-                       setting_payload)
+from .settings import EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
 
 __all__ = ["CATEGORIES", "CATEGORY_LABELS", "MemoryReport", "estimate", "measure", "measure_setting"]
 
@@ -149,9 +144,10 @@ def estimate(setting: TrainSetting | None = None, /, *, progress=True, subproces
     parameters, gradients and optimizer state are taken off the device tally and the peak is the peak of what
     is left.
 
-    A process can hold one process group: where one exists already (on a rank), the estimate runs in a
-    fresh subprocess (`subprocess_mode=None` decides; True/False forces it). `progress` is True (print each
-    stage), False, or, in subprocess mode, a function that receives each progress line (the dashboards).
+    A process can hold one process group: where one exists already (on a rank), the estimate runs in another
+    process (fsdplab.estimate_process; `subprocess_mode=None` decides, True/False forces it). `progress` is True
+    (print each stage), False, or, in another process, a function that receives each progress line (the
+    dashboards).
     """
     setting = as_setting(setting, **changes)
     check_choice("strategy (exact estimates)", setting.strategy, EXACT_STRATEGIES)
@@ -160,8 +156,10 @@ def estimate(setting: TrainSetting | None = None, /, *, progress=True, subproces
     if subprocess_mode is None:
         subprocess_mode = dist.is_available() and dist.is_initialized()
     if subprocess_mode:
-        return _estimate_in_subprocess(setting, progress)
-    return _estimate_here(setting, progress=progress)
+        from .estimate_process import estimate_elsewhere
+
+        return estimate_elsewhere(estimate_here, setting, progress)
+    return estimate_here(setting, progress=progress)
 
 
 def _progress_printer(enabled, label, stream=None):
@@ -174,7 +172,9 @@ def _progress_printer(enabled, label, stream=None):
     return say
 
 
-def _estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -> MemoryReport:
+def estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -> MemoryReport:
+    """`estimate(setting)` in this process, whatever groups it holds (what a worker of fsdplab.estimate_process
+    runs); progress lines go to `progress_stream` (default stdout)."""
     say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}", progress_stream)
     report = estimate_cache.cached_estimate(setting)
     if report is not None:
@@ -378,34 +378,6 @@ def _step_local_shards(optimizer) -> None:
     optimizer.register_step_post_hook(take_back)
 
 
-def _estimate_in_subprocess(setting: TrainSetting, progress) -> MemoryReport:
-    payload = json.dumps({"setting": setting_payload(setting), "progress": bool(progress)})
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)   # the child must not think it is a rank of the caller's group
-    proc = subprocess.Popen([sys.executable, "-m", "fsdplab.memory", payload], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    err_lines = []
-    for line in proc.stderr:                # progress lines, relayed as they come
-        err_lines.append(line)
-        if line.startswith("[estimate") and progress:
-            (progress if callable(progress) else functools.partial(print, flush=True))(line.rstrip())
-    out = proc.stdout.read()
-    if proc.wait() != 0:
-        raise RuntimeError("the estimate subprocess failed:\n" + "".join(err_lines[-30:]))
-    return MemoryReport.from_dict(json.loads(out.strip().splitlines()[-1]))
-
-
-def _subprocess_main(argv) -> int:
-    payload = json.loads(argv[0])
-    report = _estimate_here(setting_from_payload(payload["setting"]), progress=payload["progress"],
-                            progress_stream=sys.stderr)
-    print(report.to_json(), flush=True)
-    return 0
-
-
 # --- measure: live ranks ---------------------------------------------------------------------------------
 
 def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryReport:
@@ -466,7 +438,3 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
     report = measure(net, opt, {"input_ids": tokens, "labels": tokens}, steps=steps, loss_fn=loss_for(setting))
     report.settings.update(setting.to_dict())
     return report
-
-
-if __name__ == "__main__":
-    sys.exit(_subprocess_main(sys.argv[1:]))

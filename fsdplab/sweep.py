@@ -12,17 +12,12 @@ once, not once per point.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 
-from .memory import estimate, estimate_group
 from .report import MemoryReport
 from .settings import GIB, MIB, TrainSetting
-
-# Variables a worker must not inherit: with them it would think it is a rank of the caller's process group.
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 # --- checks before any estimate runs -----------------------------------------------------------------------
@@ -223,19 +218,16 @@ class Estimates:
         self._submit(todo)
 
     def _submit(self, indices: list) -> None:
-        """Start estimating the settings at `indices` in worker processes."""
-        from concurrent.futures import ProcessPoolExecutor
-        import multiprocessing
+        """Start estimating the settings at `indices` in worker processes (fsdplab.estimate_process)."""
+        from .estimate_process import Workers
+        from .memory import estimate_group
 
         if not indices:
             return
         if self._pool is None:
-            # spawn: a fresh interpreter per worker (a fork of a process with torch's threads, or of a rank, is unsafe)
-            self._pool = ProcessPoolExecutor(max(1, min(self._workers, len(indices))),
-                                             mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=init_estimate_process)
+            self._pool = Workers(min(self._workers, len(indices)))
         for chunk in _chunks(self.settings, indices, self._workers):
-            self._futures[self._pool.submit(_estimate_points, [self.settings[i] for i in chunk])] = chunk
+            self._futures[self._pool.submit(estimate_group, [self.settings[i] for i in chunk])] = chunk
 
     def result(self) -> list:
         """Wait for every estimate; the reports in the order of the settings (`on_done` runs as each arrives)."""
@@ -270,7 +262,7 @@ class Estimates:
                 self._error = e
                 raise
             finally:
-                self._pool.shutdown(wait=True)
+                self._pool.stop()
                 self._pool, self._futures = None, {}
         self._finished = True
         return [self.reports[first] for first in self._first]
@@ -282,16 +274,6 @@ class Estimates:
                 self.reports[j] = self.reports[i]
                 if self.on_done is not None:
                     self.on_done(self.settings[j], self.reports[j])
-
-
-def init_estimate_process():
-    """Sets this process up to estimate on its own: one torch thread, no rank variables (RANK, MASTER_ADDR, ...)
-    that would make it a rank of the caller's process group. Runs in `Estimates`' workers and estimates_ahead."""
-    for name in _RANK_ENV:
-        os.environ.pop(name, None)
-    import torch
-
-    torch.set_num_threads(1)   # one core per worker: the other worker has the other
 
 
 def _chunks(settings: list, indices: list, workers: int) -> list:
@@ -311,5 +293,3 @@ def _chunks(settings: list, indices: list, workers: int) -> list:
     return chunks
 
 
-def _estimate_points(settings: list) -> list:
-    return estimate_group(settings)

@@ -1,14 +1,16 @@
-"""fsdplab.estimates_ahead: later lessons' full-scale estimates made ahead during a run of several lessons."""
+"""fsdplab.runner.estimates_ahead: later lessons' full-scale estimates made ahead during a run of several lessons."""
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from fsdplab import cli, estimate_cache, estimates_ahead, lessons, memory, sweep
+from fsdplab import cli, estimate_cache, lessons, memory, sweep
+from fsdplab.runner import estimates_ahead
 from fsdplab.lessons.activation_checkpointing import estimate_settings
 from fsdplab.lessons.cpu_offload import exact_settings
 from fsdplab.lessons.qwen7b_lora import POSTS_SETTING
@@ -41,23 +43,46 @@ def test_the_cache_is_filled_and_what_is_there_skipped(tmp_path, monkeypatch):
     assert cached.stat().st_mtime_ns == before, "a cached setting was estimated again"
 
 
-def test_main_reads_lesson_names_and_estimates_their_settings(tmp_path, monkeypatch):
+def test_the_worker_reads_lesson_names_and_estimates_their_settings(tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(estimates_ahead, "estimate_missing", asked.append)
-    monkeypatch.setattr(sweep, "init_estimate_process", lambda: None)   # it would set this process's threads
-    assert estimates_ahead.main(json.dumps(["00_start_here", "06_qwen7b_lora_8xA10"])) == 0
-    assert asked == [[POSTS_SETTING]]
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", "elsewhere")
+    assert estimates_ahead.estimate_for(["00_start_here", "06_qwen7b_lora_8xA10"], str(tmp_path)) == 1
+    assert asked == [[POSTS_SETTING]] and os.environ["FSDPLAB_ESTIMATE_CACHE"] == str(tmp_path)
 
 
-def test_started_in_the_background_and_stopped(tmp_path):
-    process = estimates_ahead.start(["08_activation"], str(tmp_path))
-    try:
-        assert process.poll() is None, "the background estimates ended at once"
-    finally:
-        estimates_ahead.stop(process)
-    assert process.poll() is not None
-    nothing = estimates_ahead.start(["00_start_here"], str(tmp_path))   # no setting to estimate: it just ends
-    assert nothing.wait(timeout=120) == 0 and not list(tmp_path.iterdir())
+def test_started_in_the_background_at_the_lowest_priority_and_stopped_with_nothing_left(tmp_path):
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    started = estimates_ahead.start(["08_activation"], str(tmp_path))
+    worker, future = started
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ({p.pid for p in psutil.Process().children()} - before):
+        time.sleep(0.1)
+    # (multiprocessing's resource tracker, started with the first spawned process, lives as long as this one)
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    assert workers, "no background worker started"
+    time.sleep(3)
+    assert not future.done(), "the background estimates ended at once"
+    [process] = [p for p in workers if p.nice() == 19]            # the worker itself (beside the executor's helpers)
+    assert process.pid == os.getpgid(process.pid) == os.getsid(process.pid)   # a session of its own
+    estimates_ahead.stop(started)
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == [], f"left behind: {alive}"
+    # (the killed worker's marker stays until a later look finds its maker gone: see estimate_cache)
+    nothing = estimates_ahead.start(["00_start_here"], str(tmp_path / "other"))   # nothing to estimate: it ends
+    assert nothing[1].result(timeout=120) == 0 and not (tmp_path / "other").exists()
+    estimates_ahead.stop(nothing)
+
+
+def test_one_module_starts_estimate_processes():
+    """Every estimate out of process goes through fsdplab.estimate_process (one set-up, one way to stop it)."""
+    package = Path(memory.__file__).parent
+    starts = re.compile(r"ProcessPoolExecutor\(|multiprocessing\.(Process|Pool)\(|get_context\(|-m\", \"fsdplab\.(memory|estimates_ahead)")
+    found = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if starts.search(p.read_text()))
+    assert found == ["estimate_process.py"], found
 
 
 def test_runs_of_several_lessons_at_their_defaults_estimate_ahead(tmp_path, monkeypatch):

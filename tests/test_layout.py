@@ -160,7 +160,7 @@ def test_one_home_for_units_dtypes_and_the_step():
     assert steps == ["sharding.py"], steps
 
 
-def _imports(path: Path) -> list:
+def _from_imports(path: Path) -> list:
     """(module, [names]) of every `from X import ...` in the file, the module resolved to fsdplab.*."""
     package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
     found = []
@@ -174,12 +174,12 @@ def _imports(path: Path) -> list:
 
 def test_the_runtime_shares_no_private_names_and_knows_nothing_of_the_runner():
     runtime = sorted((PACKAGE / "runtime").rglob("*.py"))
-    crossing = [(str(p.relative_to(PACKAGE)), module, name) for p in runtime for module, names in _imports(p)
+    crossing = [(str(p.relative_to(PACKAGE)), module, name) for p in runtime for module, names in _from_imports(p)
                 if module.startswith("fsdplab") for name in names if name.startswith("_") and name != "__future__"]
     assert crossing == [], crossing
     # the fork server, the estimates made ahead and the run's folders serve `fsdplab run` only
-    runner = [(str(p.relative_to(PACKAGE)), module) for p in runtime for module, _ in _imports(p)
-              if module.startswith(("fsdplab.runner", "fsdplab.estimates_ahead", "fsdplab.estimate_cache"))]
+    runner = [(str(p.relative_to(PACKAGE)), module) for p in runtime for module, _ in _from_imports(p)
+              if module.startswith(("fsdplab.runner", "fsdplab.runner.estimates_ahead", "fsdplab.estimate_cache"))]
     assert runner == [], runner
     # every launcher is a class of its own file, found by its kind
     from fsdplab.runtime import launchers
@@ -187,7 +187,7 @@ def test_the_runtime_shares_no_private_names_and_knows_nothing_of_the_runner():
     assert {kind: cls.__module__.rsplit(".", 1)[1] for kind, cls in launchers.LAUNCHER_CLASSES.items()} == {
         "local": "local", "slurm": "slurm", "mpi": "mpi", "ssh": "ssh"}
     # the older name of fsdplab.ranks is for users' notebooks only: the package itself uses the new one
-    old_name = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") for module, _ in _imports(p)
+    old_name = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") for module, _ in _from_imports(p)
                 if module == "fsdplab.dist"]
     assert old_name == [], old_name
     source = (PACKAGE / "runtime" / "cluster.py").read_text()

@@ -34,7 +34,7 @@ def estimate_settings() -> list:
 
 
 def settings_ahead() -> list:
-    """What a run of several lessons estimates ahead for this lesson (fsdplab.estimates_ahead): both of
+    """What a run of several lessons estimates ahead for this lesson (fsdplab.runner.estimates_ahead): both of
     `estimate_settings()`, which the lesson needs in its section 3."""
     return estimate_settings()
 

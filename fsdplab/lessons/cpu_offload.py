@@ -22,7 +22,7 @@ def exact_settings() -> list:
 
 
 def settings_ahead() -> list:
-    """What a run of several lessons estimates ahead for this lesson (fsdplab.estimates_ahead): the setting with
+    """What a run of several lessons estimates ahead for this lesson (fsdplab.runner.estimates_ahead): the setting with
     offload. The other two of `exact_settings()` are lesson 01's, which starts them with its imports."""
     return exact_settings()[2:]   # with offload; the other two are lesson 01's
 

@@ -14,7 +14,7 @@ from .posts import A10_GIB, POSTS_BAND_GIB, POSTS_SETTING
 
 
 def settings_ahead() -> list:
-    """What a run of several lessons estimates ahead for lesson 06 (fsdplab.estimates_ahead): the posts' setting,
+    """What a run of several lessons estimates ahead for lesson 06 (fsdplab.runner.estimates_ahead): the posts' setting,
     which the lesson estimates exactly whatever its parameters (at its defaults the others are lesson 01's)."""
     return [POSTS_SETTING]
 

@@ -18,7 +18,6 @@ launcher, a killed kernel's watcher). The server dies with the process that star
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import selectors
@@ -30,10 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..runtime.processes import die_with_parent
+
 ENV = "FSDPLAB_FORKSERVER"
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"   # what ipykernel sets when MPLBACKEND is unset
 CLIENT = str(Path(__file__).resolve().parent / "fork_client.py")
-_PR_SET_PDEATHSIG = 1
 
 
 def available() -> bool:
@@ -68,7 +68,7 @@ def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
         return None
     path = os.path.join(folder, "forkserver.sock")
     process = subprocess.Popen([sys.executable, "-c", "import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1])", path],
-                               stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+                               stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
                                env={"MPLBACKEND": INLINE_BACKEND, **os.environ, "OPENBLAS_NUM_THREADS": "1",
                                     "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + wait_s
@@ -99,14 +99,6 @@ def stop(process: subprocess.Popen | None) -> None:
         return
     process.kill()   # its forks get SIGKILL from the kernel as it dies (PR_SET_PDEATHSIG)
     process.wait()
-
-
-def _die_with_parent() -> None:
-    """In a new process: get SIGKILL when the process that started it exits."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _warm() -> None:
@@ -152,10 +144,10 @@ def _run_child(request: dict, fds: list, server: int) -> None:
     code = 1
     try:
         os.setsid()   # as ipyparallel starts its processes: a session of their own
-        _die_with_parent()
+        die_with_parent()
         # What this process forks in turn (the controller forks ipyparallel's heart monitor with
         # multiprocessing) dies with it too: without this a grandchild outlives a killed run, re-parented to init.
-        os.register_at_fork(after_in_child=_die_with_parent)
+        os.register_at_fork(after_in_child=die_with_parent)
         if os.getppid() != server:   # the server died before the line above
             os._exit(1)
         for i, fd in enumerate(fds):

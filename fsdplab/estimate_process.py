@@ -1,0 +1,134 @@
+"""The one way the package runs exact estimates in other processes.
+
+An estimate runs elsewhere when this process cannot run it (it holds a process group already: a rank, and the
+estimator builds a fake one of its own), when the caller must go on meanwhile (a lesson's live ranks, a
+dashboard that stays responsive), or when several run at once (a sweep's points, a run's estimates made ahead).
+Every such process is a worker of `Workers`: spawned, never forked (a fork of a process that holds torch's
+threads, or of a rank, is unsafe), set up by `_set_up` with no rank variables (RANK, MASTER_ADDR, ...: it is not
+a rank of the caller's group), one torch thread, SIGKILL when the process that started it dies (Linux), and, for
+work in the background, the lowest CPU priority in a session of its own. The callers: `memory.estimate` (one
+estimate, its progress lines relayed as they come; the dashboards through it), `sweep.Estimates` (points on
+shared fake models, several workers) and `runner.estimates_ahead` (a run's later estimates).
+
+As with every spawned pool, a script run by path that estimates out of process must keep its top-level work
+under `if __name__ == "__main__":` (a spawned worker imports the main script; a notebook kernel, an
+ipyparallel engine and `python -m fsdplab` need nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_progress = None   # in a worker: the queue progress lines go to (None: no one listens)
+
+
+class Workers:
+    """`count` worker processes (see the module's docstring), started at the first `submit`."""
+
+    def __init__(self, count: int = 1, *, background: bool = False, progress: bool = False):
+        from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.lines = context.Queue() if progress else None
+        self.pool = ProcessPoolExecutor(max(1, count), mp_context=context, initializer=_set_up,
+                                        initargs=(background, self.lines))
+
+    def submit(self, fn, *args):
+        """A Future of `fn(*args)` run in a worker (`fn` importable by name: the worker imports it)."""
+        return self.pool.submit(fn, *args)
+
+    def stop(self, wait: bool = True) -> None:
+        """Cancel what has not started and end the workers, at once when `wait` is False (the run is over)."""
+        kill = getattr(self.pool, "kill_workers", None)   # Python 3.14; before it, the executor's own table
+        if not wait and kill is not None:
+            kill()
+        elif not wait:
+            for process in list((getattr(self.pool, "_processes", None) or {}).values()):
+                process.kill()
+        self.pool.shutdown(wait=wait, cancel_futures=True)
+        if self.lines is not None:
+            self.lines.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop(wait=exc[0] is None)
+        return False
+
+
+def estimate_elsewhere(estimate, setting, progress=True):
+    """`estimate(setting, progress=..., progress_stream=...)` (memory's, passed in: this module imports no
+    estimator) in a worker; each progress line goes to `progress` (a function, True: print, False: nowhere) as it
+    comes. The worker's error is raised here, with its message."""
+    relay = progress if callable(progress) else (lambda line: print(line, flush=True)) if progress else None
+    with Workers(1, progress=relay is not None) as workers:
+        future = workers.submit(_with_progress, estimate, setting, relay is not None)
+        while True:
+            try:
+                line = workers.lines.get(timeout=0.1) if relay is not None else None
+            except queue_module.Empty:
+                line = None
+            if line is not None:
+                relay(line)
+            elif future.done():
+                break
+            elif relay is None:
+                future.exception()   # nothing to relay: just wait
+        return future.result()
+
+
+def _with_progress(estimate, setting, progress: bool):
+    """In a worker: one estimate, its progress lines sent to the caller."""
+    return estimate(setting, progress=progress, progress_stream=_Lines() if progress else None)
+
+
+class _Lines:
+    """A text stream whose lines go to the caller's queue (what `print(..., file=)` writes to)."""
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip() and _progress is not None:
+                _progress.put(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def set_up_for_estimates() -> None:
+    """This process estimates on its own: no rank variables that would make it a rank of the caller's group, one
+    torch thread (one core per worker)."""
+    for name in RANK_ENV:
+        os.environ.pop(name, None)
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _set_up(background: bool, lines) -> None:
+    global _progress
+    from .runtime.processes import die_with_parent
+
+    _progress = lines
+    die_with_parent()
+    if background:
+        os.setsid()
+        lowest_priority()
+    set_up_for_estimates()
+
+
+def lowest_priority() -> None:
+    """This process at nice 19, its session too. Linux's autogroups share the CPU between sessions before nice
+    values count, and Jupyter starts each kernel in a session of its own: without the session's nice, a process
+    in the background would take half the CPU from a lesson's kernel and ranks."""
+    os.nice(19)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:   # no autogroups (not Linux, or a kernel without them): the process's nice is enough
+        pass
