@@ -16,7 +16,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from fsdplab.runtime.cluster import free_port
+from fsdplab.runtime.processes import free_port
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
