@@ -143,3 +143,28 @@ def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, 
     parents = [nbformat.read(tmp_path / "out" / p.name, 4).cells[1].outputs[0]["text"].strip() for p in paths]
     assert parents == ["import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1]) True"] * 2, parents
     assert forkserver.ENV not in os.environ
+
+
+def test_ranks_on_other_nodes_start_a_new_interpreter_there(monkeypatch, tmp_path):
+    """The fork server forks on this machine: a Slurm or MPI rank started through it would run here, whatever
+    node srun or mpiexec started its stand-in on (lesson 07's two Slurm nodes then shared one machine and its
+    interface counters read 0). Those launchers take a new interpreter, even where `fsdplab run` set the
+    command for this machine's ranks."""
+    from traitlets.config import Config
+
+    from fsdplab.runtime.launchers import Mpi, Slurm, mpi, slurm
+    from fsdplab.runtime.processes import python_command
+
+    monkeypatch.setenv(PYTHON_COMMAND_ENV, json.dumps([sys.executable, "-I", forkserver.CLIENT]))
+    local = python_command("fsdplab.runtime.engine")
+    assert local[:3] == [sys.executable, "-I", forkserver.CLIENT]
+    fresh = [sys.executable, "-m", "fsdplab.runtime.engine"]
+    monkeypatch.setattr(slurm, "batch_template", lambda plan: "#!/bin/sh\n")
+    monkeypatch.setattr(mpi, "engine_settings", lambda ipp, env: ([], env))
+    monkeypatch.setattr(mpi, "mpi_args", lambda plan, passed: [])
+    for launcher, section in ((Slurm(nodes=2), "SlurmEngineSetLauncher"), (Mpi(), "MPIEngineSetLauncher")):
+        ipp = type("Ipp", (), {"config": Config()})()
+        ipp.config.LocalEngineSetLauncher.engine_cmd = local
+        ipp.config.LocalEngineSetLauncher.engine_args = []
+        launcher.configure(ipp, type("Plan", (), {"env": {}})(), {}, lambda name: str(tmp_path / name))
+        assert ipp.config[section].engine_cmd == fresh, launcher

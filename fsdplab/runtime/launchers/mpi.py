@@ -37,7 +37,7 @@ class Mpi(RemoteLauncher):
     def configure(self, ipp, plan, env: dict, path) -> None:
         launcher = ipp.config.MPIEngineSetLauncher
         launcher.engine_args, passed = engine_settings(ipp, env)
-        launcher.engine_cmd = list(ipp.config.LocalEngineSetLauncher.engine_cmd)
+        launcher.engine_cmd = self.engine_cmd()
         launcher.environment = passed
         launcher.mpi_args = mpi_args(plan, passed)
 

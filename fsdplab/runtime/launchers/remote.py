@@ -31,6 +31,12 @@ class RemoteLauncher(Launcher):
     def ipp_args(self, plan) -> dict:
         return dict(engines=self.kind, controller_ip=plan.address, controller_location=plan.address)
 
+    def engine_cmd(self) -> list:
+        """The command that starts a rank on a node: a new interpreter there, never this machine's
+        `processes.python_command` (`fsdplab run` points that at its fork server, whose forks run here: through
+        srun on another node they would still fork on this one)."""
+        return [sys.executable, "-m", "fsdplab.runtime.engine"]
+
     def places(self, plan, group) -> list:
         """Each engine's place, in the order of `group.engine_ids` (see the module's docstring)."""
         raise NotImplementedError

@@ -265,7 +265,7 @@ class Slurm(RemoteLauncher):
         launcher.environment = {**env, **({"SLURM_CONF": plan.env["SLURM_CONF"]} if "SLURM_CONF" in plan.env else {})}
         launcher.batch_file_name = path("slurm_engines.sbatch")
         launcher.engine_args = list(ipp.config.LocalEngineSetLauncher.engine_args)
-        launcher.engine_cmd = list(ipp.config.LocalEngineSetLauncher.engine_cmd)
+        launcher.engine_cmd = self.engine_cmd()
 
     def refused(self, error: Exception) -> str | None:
         if isinstance(error, subprocess.CalledProcessError):
