@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# main before the estimator's speed-up (issue 14): the DTensor optimizer step and two full training steps.
+# main before the estimator's speed-up: the DTensor optimizer step and two full training steps.
 BEFORE = "76be922ab4c718abcb80bd18b3925052c530ada9"
 
 SETTINGS = [
