@@ -3,7 +3,7 @@ and `CATEGORY_LABELS`): exact on fake tensors, or measured on live ranks.
 
 - `estimate(setting)`: the exact per-rank figure of a real training step at full scale, without GPUs: a fake
   process group of any world size, fake tensors, FSDP2 and two optimizer steps under torch's FSDP memory
-  tracker (see fsdplab/_torch_private.py). Qwen-7B on 8 ranks takes seconds and a few hundred MB of RAM.
+  tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes seconds and a few hundred MB of RAM.
 - `measure(...)` / `measure_setting(setting)`: what live ranks really hold, per category (inside `cluster.run`).
 - The analytic model is `fsdplab.formula.formula(setting)`; it returns the same report.
 - Within one `fsdplab run`, `estimate` reads back, or waits for, what the run already estimated (the run's
@@ -49,7 +49,7 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     and forward and backward are nearly all of a step's ops: this saves a quarter of a 7B estimate. Raises
     _ParameterWithoutGradient if a later backward leaves a trainable parameter without a gradient (a real
     step 1 would have given it no state): the caller then starts again without the shortcut."""
-    from ._torch_private import make_tracker
+    from ._torch_private.tracker import make_tracker
     from .sharding import train_step
 
     if steps < 2:

@@ -227,19 +227,19 @@ def test_skipping_in_place_foreach_kernels_on_fake_tensors_changes_no_number(mon
     # The tracker skips FakeTensorMode's kernel for in-place foreach ops (the optimizer step, FSDP2's copy-in):
     # they allocate nothing on fake tensors. The whole report must be what the kernels give, and the Adam
     # step counts (fake tensors with a value) must still advance, or the step divides by zero.
-    from fsdplab import _torch_private
+    from fsdplab._torch_private import tracker
 
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", "")
     trackers = []
-    make = _torch_private.make_tracker
-    monkeypatch.setattr(_torch_private, "make_tracker", lambda *a, **k: trackers.append(make(*a, **k)) or trackers[-1])
+    make = tracker.make_tracker
+    monkeypatch.setattr(tracker, "make_tracker", lambda *a, **k: trackers.append(make(*a, **k)) or trackers[-1])
     setting = TrainSetting(model="tiny", world_size=2, seq_len=64, lora_rank=lora_rank, optimizer="adamw")
     reports = {}
     for skip in (False, True):
-        monkeypatch.setattr(_torch_private._PeakTracker, "skip_inplace_foreach", skip)
+        monkeypatch.setattr(tracker._PeakTracker, "skip_inplace_foreach", skip)
         report = estimate(setting, progress=False, subprocess_mode=False).to_dict()
         reports[skip] = {k: v for k, v in report.items() if k not in ("seconds", "notes")}
-        skipped = sum(t.skipped_kernels for t in trackers)
+        skipped = sum(made.skipped_kernels for made in trackers)
         trackers.clear()
         assert (skipped > 0) == skip, (skip, skipped)
     assert reports[True] == reports[False]

@@ -1,0 +1,284 @@
+"""The memory tracker behind `memory.estimate` and `memory.measure`: torch's MemTracker / FSDPMemTracker (private
+`torch.distributed._tools`) with the peaks fsdplab reports: the global peak and its moment, each category's own
+maximum, the peak of what stays on the device under CPU offload, the memory over the step, and the allocation log
+that `fsdplab.allocator` replays. Its shortcuts on fake tensors change no byte it reports."""
+
+from __future__ import annotations
+
+from . import CATEGORIES, OFFLOADED, TRACKER_TO_CATEGORY, _missing, fake_device_query
+
+
+def _category_totals(snapshot: dict, skip=()) -> dict:
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for key, value in snapshot.items():
+        name = getattr(key, "value", key)
+        if name == "Total" or name in skip:
+            continue
+        totals[TRACKER_TO_CATEGORY.get(name, "other")] += value
+    return totals
+
+
+def _raw(snapshot: dict) -> dict:
+    return {getattr(k, "value", k): int(v) for k, v in snapshot.items()}
+
+
+
+
+def _all_fake(args, fake_type) -> bool:
+    """Every tensor in `args` (tensors and lists of them) is a FakeTensor without a value: FakeTensorMode
+    keeps the value of small tensors made from Python numbers (an optimizer's step counts), in `constant`."""
+    import torch
+
+    for arg in args:
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(t, torch.Tensor) and (type(t) is not fake_type or t.constant is not None):
+                return False
+    return True
+
+
+class _PeakTracker:
+    """Mixed in before torch's MemTracker / FSDPMemTracker: keeps the global peak, each category's own
+    maximum, and the peak of what stays on the device when sharded parameters, gradients and optimizer
+    state are offloaded to the host."""
+
+    # `_snap_changes` counts the changes to the live bytes (an allocation, a free, a resize, a relabel), and
+    # `_snap_seen` is its value at the last look for peaks: the peaks are a function of the live bytes, so
+    # an op that changed none (a view, a scalar read) cannot move them and `_update_peak_stats` skips it.
+    _snap_changes, _snap_seen = 0, -1
+
+    def _init_peaks(self, key_category: dict, offloaded_keys: set):
+        self._key_category, self._offloaded_keys = key_category, offloaded_keys
+        self.offload_peak, self.offload_peak_snap = 0, {}
+        self.category_max, self.offload_category_max = {}, {}
+        self._device_query = fake_device_query()
+        # Where the step is at each change of the live bytes: (phase, module, op), and the bytes per category
+        # then (the memory-over-step figure); the moment of the peak (and of the peak left on the device).
+        self._op, self.timeline, self.peak_at, self.offload_peak_at = None, [], {}, {}
+
+    # Label each allocation of the log with its phase and module (a memory snapshot's frames): off by default,
+    # it costs a tenth of an estimate.
+    label_allocations = False
+
+    def _phase(self) -> str:
+        if getattr(self, "_in_opt", False):
+            return "optimizer step"
+        if getattr(self._mod_tracker, "is_bw", False):
+            return "backward"
+        return "forward" if len(getattr(self._mod_tracker, "parents", ())) > 1 else "between (zero_grad, hooks)"
+
+    def _moment(self) -> dict:
+        parents = [p for p in getattr(self._mod_tracker, "parents", ()) if p != "Global"]
+        module = max(parents, key=lambda p: (p.count("."), len(p))) if parents else ""
+        return {"phase": self._phase(), "module": module.partition(".")[2] or module, "op": str(self._op or "")}
+
+    # The allocation and free sequence from the last reset_peak (fsdplab.allocator replays it): None until then.
+    alloc_log, alloc_preloaded, _serials = None, 0, None
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+        super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+        self._snap_changes += 1
+        log = self.alloc_log
+        if log is None:
+            return
+        kind = u_type.name                      # ADD, DEL, SIZE (a resize_), REF (a new label: no allocation)
+        if kind == "ADD" and winfo.mem_consumed:
+            log.append(self._malloc_event(winfo))
+        elif kind == "DEL" and winfo.mem_consumed:
+            log.append(("-", self._serial(winfo)))
+        elif kind == "SIZE":
+            if old_mem_consumed:
+                log.append(("-", self._serial(winfo)))
+            if winfo.mem_consumed:
+                log.append(self._malloc_event(winfo))
+
+    def _serial(self, winfo) -> int:
+        serial = getattr(winfo, "fsdplab_serial", None)
+        if serial is None:
+            serial = winfo.fsdplab_serial = next(self._serials)
+        return serial
+
+    def _malloc_event(self, winfo, where: bool = True) -> tuple:
+        from ..allocator import STREAM_OF
+
+        kind = getattr(winfo.reftype, "value", "")
+        label = kind
+        if where and self.label_allocations:
+            moment = self._moment()
+            label = f"{kind}, {moment['phase']}" + (f", {moment['module']}" if moment["module"] else "")
+        return ("+", self._serial(winfo), winfo.mem_consumed, STREAM_OF.get(kind, 0), label)
+
+    def start_alloc_log(self) -> None:
+        """Log allocations and frees from now on, beginning with what is alive now (in the tracker's order)."""
+        import itertools
+
+        self._serials = self._serials or itertools.count()
+        alive = [w for w, _ in self._WINFO.values() if w.mem_consumed]
+        self.alloc_log = [self._malloc_event(w, where=False) for w in alive]
+        self.alloc_preloaded = len(self.alloc_log)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Three in five ops of a step on fake tensors are `.device` queries, which neither allocate nor free.
+        # The base class passes each on to FakeTensorMode, tracks no output and looks for new peaks. Where
+        # FakeTensorMode is next, answer as it does (its first check) and look for peaks only where the
+        # base class would find something new: bytes moved since the last op, outside DTensor's sharding
+        # propagation.
+        query = self._device_query
+        if func is query.op and type(args[0]) is query.fake_tensor and query.fake_mode_is_next():
+            if self._snap_seen != self._snap_changes and query.active_fake_mode() is self._fake_mode_on_entry:
+                self._update_peak_stats(None)
+            return query.answer(args)
+        self._op = func
+        # An optimizer step is a dozen in-place foreach ops over every trained tensor (and FSDP2 copies its
+        # shards in with one per unit). On fake tensors they change no shape, allocate nothing and return
+        # nothing, yet FakeTensorMode runs each through its Python reference kernel, tensor by tensor: a
+        # tenth of a LoRA estimate. Where FakeTensorMode is next and every tensor is fake, skip the kernel.
+        if self.skip_inplace_foreach and self._inplace_foreach(func) and query.fake_mode_is_next() \
+                and _all_fake(args, query.fake_tensor):
+            if self._snap_seen != self._snap_changes and query.active_fake_mode() is self._fake_mode_on_entry:
+                self._update_peak_stats(None)
+            self.skipped_kernels += 1
+            return None
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    skip_inplace_foreach, skipped_kernels = True, 0
+    _inplace_foreach_ops: dict = {}
+
+    def _inplace_foreach(self, func) -> bool:
+        known = self._inplace_foreach_ops.get(func)
+        if known is None:
+            schema = getattr(func, "_schema", None)
+            name = getattr(schema, "name", "")
+            known = self._inplace_foreach_ops[func] = (
+                name.startswith("aten::_foreach_") and name.endswith("_") and not schema.returns
+                and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
+        return known
+
+    def _update_peak_stats(self, peak_state):
+        # The base class also refreshes a per-module peak for every live module on every op, which costs a
+        # sixth of an estimate's time; fsdplab reports only the global peaks, kept here.
+        if self._snap_seen == self._snap_changes:
+            return
+        self._snap_seen = self._snap_changes
+        moment = None
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+                self.peak_at = moment = self._moment()
+            cats, kept, off = {}, {}, 0
+            for k, v in snap.items():
+                c = self._key_category.get(k)
+                if c is None or not v:
+                    continue
+                cats[c] = cats.get(c, 0) + v
+                if k in self._offloaded_keys:
+                    off += v
+                else:
+                    kept[c] = kept.get(c, 0) + v
+            for found, maxima in ((cats, self.category_max), (kept, self.offload_category_max)):
+                for c, v in found.items():
+                    if v > maxima.get(c, 0):
+                        maxima[c] = v
+            on_device = snap["Total"] - off
+            if on_device > self.offload_peak:
+                self.offload_peak, self.offload_peak_snap = on_device, dict(snap)
+                self.offload_peak_at = moment = moment or self._moment()
+            self.timeline.append((moment["phase"] if moment else self._phase(), cats, kept))
+
+    def settle_fsdp(self, model) -> bool:
+        """Leave the FSDP2 `model` as its first forward leaves it for every later step, without running it:
+        FSDP2's lazy init (the root, the communication state, unevenly sharded parameters re-padded into new
+        tensors) and each unit's unsharded-parameter buffers, allocated by a first all-gather, labelled
+        "Unsharded Param" as the tracker's pre-forward hook labels them, and freed by a reshard (later steps
+        re-allocate the same storages in place). False, doing nothing, for a model that is not FSDP2."""
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+        from torch.distributed.fsdp import FSDPModule
+
+        if not (isinstance(model, FSDPModule) and isinstance(self, FSDPMemTracker)):
+            return False
+        try:
+
+            model._get_fsdp_state()._lazy_init()
+            for module in model.modules():
+                if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group):
+                    module.unshard()
+                    for fsdp_param in group.fsdp_params:
+                        self._update_and_maybe_create_winfos(fsdp_param.unsharded_param,
+                                                             _FSDPRefType.UNSHARDED_PARAM)
+                    module.reshard()
+        except AttributeError as e:
+            raise _missing("FSDP2 internals (FSDPModule._get_fsdp_state, FSDPState._lazy_init / "
+                           "_fsdp_param_group, FSDPParamGroup.fsdp_params, FSDPParam.unsharded_param) or "
+                           "MemTracker._update_and_maybe_create_winfos", e) from None
+        return True
+
+    def reset_peak(self):
+        """Forget the peak so far: the next one is measured from what is live now."""
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+        self.offload_peak, self.offload_peak_snap = 0, {}
+        self.category_max, self.offload_category_max = {}, {}
+        self.timeline, self.peak_at, self.offload_peak_at = [], {}, {}
+        self._snap_seen = -1
+        self.reset_mod_stats()
+        self.start_alloc_log()
+
+    def memory_over_step(self, offload: bool = False, points: int = 600) -> dict:
+        """The tracked region's bytes per category at each change (at most `points`, evenly picked, the peak
+        always among them), with the phase of each: {"phase": [...], "<category>": [...]}."""
+        rows = self.timeline
+        if not rows:
+            return {}
+        totals = [sum((kept if offload else cats).values()) for _, cats, kept in rows]
+        top = max(range(len(rows)), key=totals.__getitem__)
+        # Every phase keeps its first and last event: a short optimizer step (few, large allocations) shows too.
+        edges = {i for i in range(len(rows)) if i in (0, len(rows) - 1) or rows[i][0] != rows[i - 1][0]
+                 or rows[i][0] != rows[i + 1][0]}
+        keep = sorted(set(range(0, len(rows), max(1, len(rows) // points))) | {top} | edges)
+        out = {"phase": [rows[i][0] for i in keep]}
+        for c in CATEGORIES:
+            out[c] = [int((rows[i][2] if offload else rows[i][1]).get(c, 0)) for i in keep]
+        return out
+
+    def current(self) -> dict:
+        """Raw tracker categories live right now (bytes, summed over devices)."""
+        out: dict = {}
+        for snap in self.get_tracker_snapshot("current").values():
+            for k, v in _raw(snap).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def category_peaks(self, offload: bool = False) -> dict:
+        """Each of the six categories' own maximum over the tracked region (they need not coincide; unlike
+        the split at the peak, these do not depend on which of two near-equal moments wins)."""
+        found = self.offload_category_max if offload else self.category_max
+        return {c: int(found.get(c, 0)) for c in CATEGORIES}
+
+    def peak(self, offload: bool = False) -> tuple[int, dict, dict]:
+        """(peak bytes, six categories at the peak, raw tracker categories at the peak)."""
+        if offload:
+            snap = self.offload_peak_snap
+            return int(self.offload_peak), _category_totals(snap, skip=OFFLOADED), _raw(snap)
+        snaps = self.get_tracker_snapshot("peak")
+        if not snaps:
+            return 0, dict.fromkeys(CATEGORIES, 0), {}
+        snap = max(snaps.values(), key=lambda s: s["Total"])
+        return int(snap["Total"]), _category_totals(snap), _raw(snap)
+
+
+def make_tracker(model, optimizer=None):
+    """A memory tracker for `model` with the peaks of `_PeakTracker`. FSDP models get FSDPMemTracker; any
+    other model (DDP, a plain module) the generic MemTracker."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed.fsdp import FSDPModule
+
+    base = FSDPMemTracker if isinstance(model, FSDPModule) else MemTracker
+    tracker = type(f"Peak{base.__name__}", (_PeakTracker, base), {})(
+        *((model, optimizer) if base is FSDPMemTracker else ()))
+    if base is MemTracker:
+        tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+    # Snapshot keys are str-Enum members (hashed by name, not value): map the members themselves.
+    tracker._init_peaks({t: TRACKER_TO_CATEGORY.get(t.value, "other") for t in (*_FSDPRefType, *_MemRefType)},
+                        {t for t in _FSDPRefType if t.value in OFFLOADED})
+    return tracker
