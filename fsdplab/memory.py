@@ -3,7 +3,8 @@ and `CATEGORY_LABELS`): exact on fake tensors, or measured on live ranks.
 
 - `estimate(setting)`: the exact per-rank figure of a real training step at full scale, without GPUs: a fake
   process group of any world size, fake tensors, FSDP2 and two optimizer steps under torch's FSDP memory
-  tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes seconds and a few hundred MB of RAM.
+  tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes 13-30 s on 2 CPU
+  cores and about 400 MB of RAM.
 - `measure(...)` / `measure_setting(setting)`: what live ranks really hold, per category (inside `cluster.run`).
 - The analytic model is `fsdplab.formula.formula(setting)`; it returns the same report.
 - Within one `fsdplab run`, `estimate` reads back, or waits for, what the run already estimated (the run's
