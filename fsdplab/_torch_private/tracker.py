@@ -22,8 +22,6 @@ def _raw(snapshot: dict) -> dict:
     return {getattr(k, "value", k): int(v) for k, v in snapshot.items()}
 
 
-
-
 def _all_fake(args, fake_type) -> bool:
     """Every tensor in `args` (tensors and lists of them) is a FakeTensor without a value: FakeTensorMode
     keeps the value of small tensors made from Python numbers (an optimizer's step counts), in `constant`."""
@@ -124,8 +122,7 @@ class _PeakTracker:
         # propagation.
         query = self._device_query
         if func is query.op and type(args[0]) is query.fake_tensor and query.fake_mode_is_next():
-            if self._snap_seen != self._snap_changes and query.active_fake_mode() is self._fake_mode_on_entry:
-                self._update_peak_stats(None)
+            self._catch_up_peaks()
             return query.answer(args)
         self._op = func
         # An optimizer step is a dozen in-place foreach ops over every trained tensor (and FSDP2 copies its
@@ -134,11 +131,17 @@ class _PeakTracker:
         # tenth of a LoRA estimate. Where FakeTensorMode is next and every tensor is fake, skip the kernel.
         if self.skip_inplace_foreach and self._inplace_foreach(func) and query.fake_mode_is_next() \
                 and _all_fake(args, query.fake_tensor):
-            if self._snap_seen != self._snap_changes and query.active_fake_mode() is self._fake_mode_on_entry:
-                self._update_peak_stats(None)
+            self._catch_up_peaks()
             self.skipped_kernels += 1
             return None
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _catch_up_peaks(self):
+        """For an op answered here, not passed to the base class: look for peaks where the base class would
+        find something new (bytes moved since the last op, outside DTensor's sharding propagation)."""
+        if self._snap_seen != self._snap_changes and \
+                self._device_query.active_fake_mode() is self._fake_mode_on_entry:
+            self._update_peak_stats(None)
 
     skip_inplace_foreach, skipped_kernels = True, 0
     _inplace_foreach_ops: dict = {}
