@@ -114,3 +114,23 @@ def test_the_memory_visualizer_snapshot_reads_back_through_torchs_own_parser(tmp
     labels = {f["name"] for e in trace for f in e["frames"]}
     assert any(label.startswith("Activation, forward") for label in labels), sorted(labels)[:5]
     assert main(["estimate", "--model", "tiny", "--seq-len", "32,64", "--memory-snapshot", str(path)]) == 2
+
+
+@pytest.mark.parametrize("lora_rank", [None, 8])
+def test_the_snapshot_names_the_block_whose_backward_runs(tmp_path, lora_rank):
+    """Backward visits the blocks last to first, and each allocation's label names the module it was made
+    in. ModTracker keeps some modules open until the end of backward (inputs that need no gradient); naming
+    the deepest open module then named a block done long before ([3, 2, 3, 2, 1, 2, ...])."""
+    import itertools
+    import pickle
+    import re
+
+    from fsdplab.memory import memory_snapshot
+
+    path = tmp_path / "step.pickle"
+    memory_snapshot(None, path, model="tiny", world_size=2, seq_len=64, lora_rank=lora_rank, progress=False)
+    trace = pickle.loads(path.read_bytes())["device_traces"][0]
+    labels = [e["frames"][0]["name"] for e in trace if e["action"] == "alloc" and e["frames"]]
+    blocks = [int(m.group(1)) for label in labels if ", backward" in label
+              for m in [re.search(r"layers\.(\d+)", label)] if m]
+    assert [block for block, _ in itertools.groupby(blocks)] == [3, 2, 1, 0]

@@ -65,9 +65,49 @@ class _PeakTracker:
         return "forward" if len(getattr(self._mod_tracker, "parents", ())) > 1 else "between (zero_grad, hooks)"
 
     def _moment(self) -> dict:
+        # The module is the one entered last of those still open. In backward, ModTracker keeps a module open
+        # until its input gradients exist, which for some never happens before the end of backward (inputs
+        # that need no gradient): the deepest open module was often one of a block done long before.
         parents = [p for p in getattr(self._mod_tracker, "parents", ()) if p != "Global"]
-        module = max(parents, key=lambda p: (p.count("."), len(p))) if parents else ""
+        entered = self._entered
+        module = max(parents, key=lambda p: (entered.get(p, -1), p.count("."), len(p))) if parents else ""
         return {"phase": self._phase(), "module": module.partition(".")[2] or module, "op": str(self._op or "")}
+
+    _entered: dict = {}
+
+    def __enter__(self):
+        result = super().__enter__()
+        if self._depth == 1:
+            self._note_module_entries()
+        return result
+
+    def __exit__(self, *args):
+        if self._depth == 1:
+            tracker = self._mod_tracker
+            tracker._user_pre_fw_hook, tracker._user_pre_bw_hook = self._hooks_before
+        return super().__exit__(*args)
+
+    def _note_module_entries(self) -> None:
+        """Number each module's entry (its forward, its backward) in order, for `_moment`: ModTracker's user
+        hooks, chained to any the base class registered."""
+        import itertools
+
+        tracker, count = self._mod_tracker, itertools.count()
+        self._entered = {}
+        try:
+            self._hooks_before = (tracker._user_pre_fw_hook, tracker._user_pre_bw_hook)
+        except AttributeError as e:
+            raise _missing("ModTracker._user_pre_fw_hook / _user_pre_bw_hook", e) from None
+
+        def noting(previous):
+            def hook(module, *args):
+                name = tracker.get_known_fqn(module) if module is not None else None
+                if name is not None:
+                    self._entered[name] = next(count)
+                if previous is not None:
+                    previous(module, *args)
+            return hook
+        tracker._user_pre_fw_hook, tracker._user_pre_bw_hook = map(noting, self._hooks_before)
 
     # The allocation and free sequence from the last reset_peak (fsdplab.allocator replays it): None until then.
     alloc_log, alloc_preloaded, _serials = None, 0, None
