@@ -3,7 +3,7 @@ and `CATEGORY_LABELS`): exact on fake tensors, or measured on live ranks.
 
 - `estimate(setting)`: the exact per-rank figure of a real training step at full scale, without GPUs: a fake
   process group of any world size, fake tensors, FSDP2 and two optimizer steps under torch's FSDP memory
-  tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes 13-30 s on 2 CPU
+  tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes 8-12 s on 2 CPU
   cores and about 400 MB of RAM.
 - `measure(...)` / `measure_setting(setting)`: what live ranks really hold, per category (inside `cluster.run`).
 - The analytic model is `fsdplab.formula.formula(setting)`; it returns the same report.
@@ -36,7 +36,7 @@ class _ParameterWithoutGradient(Exception):
 
 
 def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offload=False,
-               state_only_first=False, label_allocations=False):
+               state_only_first=False, label_allocations=False, repeat_to=None):
     """`steps` training steps under a tracker. Step 1 only creates the optimizer state; each later step's
     peak is recorded and the lowest is kept (identical on fake tensors; on CPU ranks gloo's worker thread
     sometimes frees a collective's buffer a moment late, which only ever adds). Returns
@@ -49,7 +49,10 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     optimizer state, from a step on zero gradients. On fake tensors an op costs the same whatever its size,
     and forward and backward are nearly all of a step's ops: this saves a quarter of a 7B estimate. Raises
     _ParameterWithoutGradient if a later backward leaves a trainable parameter without a gradient (a real
-    step 1 would have given it no state): the caller then starts again without the shortcut."""
+    step 1 would have given it no state): the caller then starts again without the shortcut.
+
+    repeat_to (an FSDP2 model of identical blocks, the estimator): every number is that of the same model with
+    `repeat_to` blocks, its middle block's events repeated (fsdplab.block_repeat)."""
     from ._torch_private.tracker import make_tracker
     from .sharding import train_step
 
@@ -57,6 +60,10 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
         raise ValueError("steps must be at least 2: the first step creates the optimizer state.")
     tracker = make_tracker(model, optimizer)
     tracker.label_allocations = label_allocations
+    if repeat_to is not None:
+        from .models import blocks_of
+
+        tracker.record_blocks = blocks_of(model)
     if isinstance(batch, dict):
         tracker_inputs = tuple(batch.values())
     else:
@@ -68,6 +75,7 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
 
     def after_backward():
         snaps["backward"] = tracker.current()
+        tracker.mark("after backward")
         if skipped and any(p.grad is None for p in trained):
             raise _ParameterWithoutGradient()
 
@@ -82,17 +90,33 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
                 train_step(model, optimizer, batch, loss_fn=loss_fn, after_backward=after_backward)
             # zero_grad has run: parameters and optimizer state are what they were right after the step
             snaps["step"] = tracker.current()
-            if step > 0:
+            if step > 0 and repeat_to is not None:
+                *numbers, marks = _repeated(tracker, model, repeat_to, offload)
+                snaps.update(backward=marks["after backward"], step=marks["end"])
+                records.append(tuple(numbers))
+            elif step > 0:
                 records.append((*tracker.peak(offload=offload), tracker.category_peaks(offload=offload),
                                 tracker.offload_peak_at if offload else tracker.peak_at,
                                 tracker.memory_over_step(offload),
-                                None if offload else (tracker.alloc_log, tracker.alloc_preloaded)))
+                                # a copy: the log of the step alone (the tracker goes on to log the batch's free)
+                                None if offload else (list(tracker.alloc_log), tracker.alloc_preloaded)))
             if progress:
                 progress(f"step {step + 1}/{steps} done")
     peak, by_category, raw, _, moment, timeline, alloc_log = min(records, key=lambda r: r[0])
     category_peaks = {c: min(r[3][c] for r in records) for c in records[0][3]}
     return (peak, by_category, raw, category_peaks, snaps["backward"], snaps["step"], moment, timeline,
             alloc_log)
+
+
+def _repeated(tracker, model, depth, offload):
+    """The step just tracked, its middle block repeated until the model has `depth` blocks, replayed."""
+    from . import block_repeat
+    from ._torch_private.tracker import replay_step
+
+    record = {"events": tracker.events, "preloaded": tracker.preloaded, "block_of": tracker.block_of,
+              "names": block_repeat.block_names(model, tracker.record_blocks)}
+    preloaded, events, _ = block_repeat.deepen(record, depth)
+    return replay_step(tracker, preloaded, events, offload)
 
 
 def _reserved(alloc_log) -> dict:
@@ -144,6 +168,10 @@ def estimate(setting: TrainSetting | None = None, /, *, progress=True, subproces
     in fp32. cpu_offload is modelled: FSDP2's CPUOffloadPolicy needs an accelerator, so the sharded
     parameters, gradients and optimizer state are taken off the device tally and the peak is the peak of what
     is left.
+
+    A model of 12 or more identical blocks is traced with 8 of them, and a middle block's events are repeated for
+    the others (fsdplab.block_repeat: the same events as a trace of every block; FSDPLAB_TRACE_ALL_BLOCKS=1 traces
+    them all).
 
     A process can hold one process group: where one exists already (on a rank), the estimate runs in another
     process (fsdplab.estimate_process; `subprocess_mode=None` decides, True/False forces it). `progress` is True
@@ -225,13 +253,13 @@ def _compute_estimate(setting: TrainSetting, say, snapshot_path=None) -> MemoryR
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     config = config_of(setting.model)
     try:
-        [(run, seconds)] = _fake_steps(setting, config, say, state_only_first=True,
-                                       label_allocations=snapshot_path is not None)
+        [(run, seconds, traced)] = _fake_steps(setting, config, say, state_only_first=True,
+                                               label_allocations=snapshot_path is not None)
     except _ParameterWithoutGradient:
         say("a trainable parameter gets no gradient: starting again with a full first step")
-        [(run, seconds)] = _fake_steps(setting, config, say, state_only_first=False,
-                                       label_allocations=snapshot_path is not None)
-    return _report(setting, run, seconds, say, snapshot_path)
+        [(run, seconds, traced)] = _fake_steps(setting, config, say, state_only_first=False,
+                                               label_allocations=snapshot_path is not None)
+    return _report(setting, run, seconds, say, snapshot_path, traced)
 
 
 def estimate_group(settings: list, progress=False) -> list:
@@ -257,7 +285,8 @@ def estimate_group(settings: list, progress=False) -> list:
             runs = _fake_steps(todo[0], config_of(todo[0].model), say, state_only_first=True, points=todo)
         except _ParameterWithoutGradient:   # rare (a frozen path): each point on its own, as estimate does
             runs = None
-        made = iter([_report(s, run, seconds, say) for s, (run, seconds) in zip(todo, runs)] if runs else
+        made = iter([_report(s, run, seconds, say, traced=traced) for s, (run, seconds, traced) in zip(todo, runs)]
+                    if runs else
                     [estimate(s, progress=progress, subprocess_mode=False) for s in todo])
         reports = [r if r is not None else next(made) for r in reports]
         for s, r in zip(settings, reports):
@@ -266,7 +295,7 @@ def estimate_group(settings: list, progress=False) -> list:
     return reports
 
 
-def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None) -> MemoryReport:
+def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None, traced=None) -> MemoryReport:
     peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, alloc_log = run
     reserved = _reserved(alloc_log)
     if snapshot_path is not None:
@@ -274,6 +303,10 @@ def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None)
     notes = ["exact active peak (live tensors) of this program, on fake tensors; a GPU reserves more (the caching "
              "allocator's segments, modelled in 'on a GPU'), and nvidia-smi adds the CUDA context and NCCL buffers.",
              "eager PyTorch is traced: under torch.compile, fused kernels keep fewer temporaries (not modelled)."]
+    if traced is not None:
+        notes.append(f"{traced[0]} of the {traced[1]} blocks traced: the other {traced[1] - traced[0]} repeat a middle "
+                     "block's allocations and frees, forward and backward, as FSDP2 runs identical blocks alike "
+                     "(fsdplab.block_repeat; FSDPLAB_TRACE_ALL_BLOCKS=1 traces every block).")
     if setting.attention_kind == "flash":
         notes.append("flash attention traced as SDPA's memory-efficient kernel: neither stores the score matrix, "
                      "and both keep the same output and log-sum-exp for backward.")
@@ -309,6 +342,25 @@ def _strategy_notes(setting: TrainSetting) -> list:
 
 def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool, label_allocations: bool = False,
                 points=None) -> list:
+    """`_trace_steps` of `setting`'s model, or, for a deep stack of identical blocks, of a twin with a few of
+    them whose middle block is repeated (fsdplab.block_repeat). Returns one (run, seconds, (blocks traced,
+    blocks) or None) per point."""
+    from . import block_repeat
+
+    twin = None if label_allocations else block_repeat.shallow_twin(setting, config)
+    if twin is not None:
+        depth = config.num_hidden_layers
+        try:
+            runs = _trace_steps(setting, twin, say, state_only_first, points=points, repeat_to=depth)
+            return [(run, seconds, (twin.num_hidden_layers, depth)) for run, seconds in runs]
+        except block_repeat.NotRepeatable as e:
+            say(f"the blocks do not repeat exactly ({e}): tracing all {depth} of them")
+    return [(run, seconds, None) for run, seconds in
+            _trace_steps(setting, config, say, state_only_first, label_allocations, points)]
+
+
+def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, label_allocations: bool = False,
+                 points=None, repeat_to=None) -> list:
     """Build `setting`'s model on fake tensors in a fake process group, shard it, and `_run_steps` it for each
     of `points` (settings that differ from it in seq_len and batch_size only; default: itself): one build for
     them all. Returns one run per point, each with the seconds it took (the build counted in the first)."""
@@ -324,7 +376,8 @@ def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool, labe
         # (FSDP2's meta-device init, half the time of sharding fake tensors) and materialised as fake tensors
         # by to_empty, after which FSDP2 re-pads the shards, as it does for real runs built on meta.
         net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
-        say("model built on the meta device")
+        say("model built on the meta device" + (f" ({config.num_hidden_layers} of {repeat_to} blocks)"
+                                                 if repeat_to else ""))
         apply_data_parallel(net, setting, mesh)
         with fake_tensor_mode(), eager_attention_masks():
             net.to_empty(device="cpu")
@@ -337,7 +390,7 @@ def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool, labe
                 batch = {"input_ids": tokens, "labels": tokens}
                 run = _run_steps(net, opt, batch, 2, loss_fn=loss_for(point), progress=say,
                                  offload=point.cpu_offload, state_only_first=state_only_first,
-                                 label_allocations=label_allocations)
+                                 label_allocations=label_allocations, repeat_to=repeat_to)
                 runs.append((run, time.perf_counter() - t0))
                 t0 = time.perf_counter()
             return runs

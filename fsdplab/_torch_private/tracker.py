@@ -115,6 +115,8 @@ class _PeakTracker:
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
         super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
         self._snap_changes += 1
+        if self.events is not None:
+            self._record(u_type.name, winfo, old_mem_consumed, old_reftype)
         log = self.alloc_log
         if log is None:
             return
@@ -153,6 +155,72 @@ class _PeakTracker:
         alive = [w for w, _ in self._WINFO.values() if w.mem_consumed]
         self.alloc_log = [self._malloc_event(w, where=False) for w in alive]
         self.alloc_preloaded = len(self.alloc_log)
+        if self.record_blocks is not None:
+            self._start_events(alive)
+
+    # --- the step as events (fsdplab.block_repeat): what changed, and each look for peaks --------------------
+    # Set `record_blocks` to the model's blocks before reset_peak. From then on `events` holds, in order,
+    # ("+", serial, bytes, kind) and ("-", ...) for an allocation and a free, ("r", serial, bytes, old kind,
+    # kind) for a relabel, ("s", serial, old bytes, bytes, kind) for a resize, ("c", moment) where the tracker
+    # looked for peaks, ("m", name) for `mark(name)`. `preloaded` is what was alive at the start (serial, bytes,
+    # kind), `block_of` the block index of each serial that belongs to one block (its parameters' shards,
+    # gradients and optimizer state, and what a foreach op made from them), `start` the live bytes by kind.
+    record_blocks, events = None, None
+
+    def _start_events(self, alive) -> None:
+        from torch.distributed.tensor import DTensor
+
+        from . import local_shard
+
+        self.events, self.block_of = [], {}
+        self.preloaded = [(self._serial(w), w.mem_consumed, w.reftype) for w in alive]
+        self.start = {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()}
+
+        def note(tensor, block):        # no op may run here: the tracker would look for peaks
+            if tensor is not None:
+                local = local_shard(tensor) if isinstance(tensor, DTensor) else tensor
+                winfo = self._WINFO.get(local.untyped_storage(), (None,))[0]
+                if winfo is not None:
+                    self.block_of[self._serial(winfo)] = block
+
+        for block, module in enumerate(self.record_blocks):
+            for p in module.parameters():
+                note(p, block)
+                note(p.grad, block)
+        optimizer = getattr(self, "_optm", None)
+        for key, state in (optimizer.state.items() if optimizer is not None else ()):
+            winfo = self._WINFO.get(key.untyped_storage(), (None,))[0]
+            block = self.block_of.get(self._serial(winfo)) if winfo is not None else None
+            if block is not None:
+                for value in state.values():
+                    note(value if hasattr(value, "untyped_storage") else None, block)
+
+    def _record(self, kind, winfo, old_mem_consumed, old_reftype) -> None:
+        serial, size = self._serial(winfo), winfo.mem_consumed
+        if kind == "ADD":
+            self.events.append(("+", serial, size, winfo.reftype))
+        elif kind == "DEL":
+            self.events.append(("-", serial, size, winfo.reftype))
+        elif kind == "REF":
+            self.events.append(("r", serial, size, old_reftype, winfo.reftype))
+        else:
+            self.events.append(("s", serial, old_mem_consumed, size, winfo.reftype))
+
+    def _record_foreach_outputs(self, args, out) -> None:
+        """A foreach op's i-th output belongs to the block of its first argument's i-th tensor."""
+        for source, made in zip(args[0], out):
+            if made is None or source is None:
+                continue
+            parent = self._WINFO.get(source.untyped_storage(), (None,))[0]
+            winfo = self._WINFO.get(made.untyped_storage(), (None,))[0]
+            if parent is not None and winfo is not None:
+                block = self.block_of.get(self._serial(parent))
+                if block is not None:
+                    self.block_of[self._serial(winfo)] = block
+
+    def mark(self, name: str) -> None:
+        if self.events is not None:
+            self.events.append(("m", name))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Three in five ops of a step on fake tensors are `.device` queries, which neither allocate nor free.
@@ -174,7 +242,11 @@ class _PeakTracker:
             self._catch_up_peaks()
             self.skipped_kernels += 1
             return None
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.events is not None and isinstance(out, (list, tuple)) and args and isinstance(args[0], (list, tuple)) \
+                and func.__name__.startswith("_foreach_"):
+            self._record_foreach_outputs(args, out)
+        return out
 
     def _catch_up_peaks(self):
         """For an op answered here, not passed to the base class: look for peaks where the base class would
@@ -203,6 +275,8 @@ class _PeakTracker:
             return
         self._snap_seen = self._snap_changes
         moment = None
+        if self.events is not None:
+            self.events.append(("c", moment := self._moment()))
         for dev, snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev] = snap["Total"]
@@ -307,6 +381,81 @@ class _PeakTracker:
             return 0, dict.fromkeys(CATEGORIES, 0), {}
         snap = max(snaps.values(), key=lambda s: s["Total"])
         return int(snap["Total"]), _category_totals(snap), _raw(snap)
+
+
+def replay_step(tracker, preloaded, events, offload: bool = False):
+    """What `_update_peak_stats` and the allocation log would have given for a step recorded as `events`
+    (fsdplab.block_repeat makes such a step from a traced one): (peak, six categories at the peak, raw
+    categories at the peak, each category's peak, the moment of the peak, the memory over the step, the
+    allocation log or None under offload, {mark name or "end": raw categories then})."""
+    from types import SimpleNamespace
+
+    from ..allocator import STREAM_OF
+
+    if len(tracker.start) != 1:
+        raise ValueError("a recorded step replays on one device")
+    [start] = tracker.start.values()
+    snap = dict.fromkeys(start, 0)
+    log = []
+    for serial, size, kind in preloaded:
+        snap[kind] += size
+        snap["Total"] += size
+        log.append(("+", serial, size, STREAM_OF.get(kind.value, 0), kind.value))
+    preloaded_count = len(log)
+    key_category, offloaded = tracker._key_category, tracker._offloaded_keys
+    peak, peak_snap, peak_at = snap["Total"], dict(snap), {}
+    offload_peak, offload_snap, offload_at = 0, {}, {}
+    category_max, offload_category_max, rows, marks = {}, {}, [], {}
+    for e in events:
+        op = e[0]
+        if op == "+" or op == "-":
+            size = e[2] if op == "+" else -e[2]
+            snap[e[3]] += size
+            snap["Total"] += size
+            if e[2]:
+                log.append(("+", e[1], e[2], STREAM_OF.get(e[3].value, 0), e[3].value) if op == "+" else ("-", e[1]))
+        elif op == "s":
+            snap[e[4]] += e[3] - e[2]
+            snap["Total"] += e[3] - e[2]
+            if e[2]:
+                log.append(("-", e[1]))
+            if e[3]:
+                log.append(("+", e[1], e[3], STREAM_OF.get(e[4].value, 0), e[4].value))
+        elif op == "r":
+            snap[e[3]] -= e[2]
+            snap[e[4]] += e[2]
+        elif op == "m":
+            marks[e[1]] = _raw(snap)
+        else:                                       # "c": as _update_peak_stats
+            moment = e[1]
+            if peak < snap["Total"]:
+                peak, peak_snap, peak_at = snap["Total"], dict(snap), moment
+            cats, kept, off = {}, {}, 0
+            for k, v in snap.items():
+                c = key_category.get(k)
+                if c is None or not v:
+                    continue
+                cats[c] = cats.get(c, 0) + v
+                if k in offloaded:
+                    off += v
+                else:
+                    kept[c] = kept.get(c, 0) + v
+            for found, maxima in ((cats, category_max), (kept, offload_category_max)):
+                for c, v in found.items():
+                    if v > maxima.get(c, 0):
+                        maxima[c] = v
+            if snap["Total"] - off > offload_peak:
+                offload_peak, offload_snap, offload_at = snap["Total"] - off, dict(snap), moment
+            rows.append((moment["phase"], cats, kept))
+    marks["end"] = _raw(snap)
+    if offload:
+        numbers = (int(offload_peak), _category_totals(offload_snap, skip=OFFLOADED), _raw(offload_snap), offload_at)
+    else:
+        numbers = (int(peak_snap["Total"]), _category_totals(peak_snap), _raw(peak_snap), peak_at)
+    found = offload_category_max if offload else category_max
+    timeline = _PeakTracker.memory_over_step(SimpleNamespace(timeline=rows), offload)
+    return (*numbers[:3], {c: int(found.get(c, 0)) for c in CATEGORIES}, numbers[3], timeline,
+            None if offload else (log, preloaded_count), marks)
 
 
 def make_tracker(model, optimizer=None):
