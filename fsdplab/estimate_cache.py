@@ -156,7 +156,8 @@ def pending_path(setting: TrainSetting) -> Path | None:
 def cache_path(setting: TrainSetting) -> Path | None:
     """Where FSDPLAB_ESTIMATE_CACHE (a folder; `fsdplab run` sets one per run so that lessons sharing a setting
     estimate it once) keeps `setting`'s report: named by a hash of the setting, the torch version and every
-    source file of fsdplab, so a changed estimator never reuses an old figure. None when the variable is unset."""
+    source file of fsdplab (a changed estimator never reuses an old figure) and FSDPLAB_TRACE_ALL_BLOCKS. None when
+    the variable is unset."""
     folder = os.environ.get("FSDPLAB_ESTIMATE_CACHE")
     if not folder:
         return None
@@ -165,6 +166,7 @@ def cache_path(setting: TrainSetting) -> Path | None:
     key = hashlib.sha256(json.dumps(setting_payload(setting), sort_keys=True, default=str).encode())
     key.update(torch.__version__.encode())
     key.update(_code_fingerprint().encode())
+    key.update(os.environ.get("FSDPLAB_TRACE_ALL_BLOCKS", "").encode())   # the report's notes say which
     return Path(folder) / f"{key.hexdigest()[:24]}.json"
 
 

@@ -104,3 +104,12 @@ def test_a_sweep_repeats_the_blocks_for_each_point(monkeypatch):
         assert any(n.startswith("8 of the 13 blocks traced") for n in report.notes)
         for name in NUMBERS:
             assert getattr(report, name) == getattr(alone, name), (point.seq_len, name)
+
+
+def test_a_run_caches_repeated_and_fully_traced_estimates_apart(monkeypatch, tmp_path):
+    from fsdplab import estimate_cache
+
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
+    repeated = estimate_cache.cache_path(BASE)
+    monkeypatch.setenv("FSDPLAB_TRACE_ALL_BLOCKS", "1")
+    assert estimate_cache.cache_path(BASE) != repeated

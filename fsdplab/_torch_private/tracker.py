@@ -22,6 +22,26 @@ def _raw(snapshot: dict) -> dict:
     return {getattr(k, "value", k): int(v) for k, v in snapshot.items()}
 
 
+def _split(snap: dict, key_category: dict, offloaded: set, category_max: dict, offload_category_max: dict):
+    """The live bytes of `snap` by category (cats), by category of what stays on the device under offload
+    (kept), and the offloaded bytes (off); raises each category's maximum to them."""
+    cats, kept, off = {}, {}, 0
+    for k, v in snap.items():
+        c = key_category.get(k)
+        if c is None or not v:
+            continue
+        cats[c] = cats.get(c, 0) + v
+        if k in offloaded:
+            off += v
+        else:
+            kept[c] = kept.get(c, 0) + v
+    for found, maxima in ((cats, category_max), (kept, offload_category_max)):
+        for c, v in found.items():
+            if v > maxima.get(c, 0):
+                maxima[c] = v
+    return cats, kept, off
+
+
 def _all_fake(args, fake_type) -> bool:
     """Every tensor in `args` (tensors and lists of them) is a FakeTensor without a value: FakeTensorMode
     keeps the value of small tensors made from Python numbers (an optimizer's step counts), in `constant`."""
@@ -68,8 +88,11 @@ class _PeakTracker:
         # The module is the one entered last of those still open. In backward, ModTracker keeps a module open
         # until its input gradients exist, which for some never happens before the end of backward (inputs
         # that need no gradient): the deepest open module was often one of a block done long before.
+        # Only modules of the model count: transformers calls some functions as modules of their own
+        # (its hub kernels' "Func", once per block), which ModTracker names by their class alone.
         parents = [p for p in getattr(self._mod_tracker, "parents", ()) if p != "Global"]
         entered = self._entered
+        parents = [p for p in parents if p in entered] or parents
         module = max(parents, key=lambda p: (entered.get(p, -1), p.count("."), len(p))) if parents else ""
         return {"phase": self._phase(), "module": module.partition(".")[2] or module, "op": str(self._op or "")}
 
@@ -99,10 +122,12 @@ class _PeakTracker:
         except AttributeError as e:
             raise _missing("ModTracker._user_pre_fw_hook / _user_pre_bw_hook", e) from None
 
+        root = getattr(self, "_root_mod", None)
+
         def noting(previous):
             def hook(module, *args):
                 name = tracker.get_known_fqn(module) if module is not None else None
-                if name is not None:
+                if name is not None and ("." in name or module is root):
                     self._entered[name] = next(count)
                 if previous is not None:
                     previous(module, *args)
@@ -282,20 +307,8 @@ class _PeakTracker:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
                 self.peak_at = moment = self._moment()
-            cats, kept, off = {}, {}, 0
-            for k, v in snap.items():
-                c = self._key_category.get(k)
-                if c is None or not v:
-                    continue
-                cats[c] = cats.get(c, 0) + v
-                if k in self._offloaded_keys:
-                    off += v
-                else:
-                    kept[c] = kept.get(c, 0) + v
-            for found, maxima in ((cats, self.category_max), (kept, self.offload_category_max)):
-                for c, v in found.items():
-                    if v > maxima.get(c, 0):
-                        maxima[c] = v
+            cats, kept, off = _split(snap, self._key_category, self._offloaded_keys,
+                                     self.category_max, self.offload_category_max)
             on_device = snap["Total"] - off
             if on_device > self.offload_peak:
                 self.offload_peak, self.offload_peak_snap = on_device, dict(snap)
@@ -430,20 +443,7 @@ def replay_step(tracker, preloaded, events, offload: bool = False):
             moment = e[1]
             if peak < snap["Total"]:
                 peak, peak_snap, peak_at = snap["Total"], dict(snap), moment
-            cats, kept, off = {}, {}, 0
-            for k, v in snap.items():
-                c = key_category.get(k)
-                if c is None or not v:
-                    continue
-                cats[c] = cats.get(c, 0) + v
-                if k in offloaded:
-                    off += v
-                else:
-                    kept[c] = kept.get(c, 0) + v
-            for found, maxima in ((cats, category_max), (kept, offload_category_max)):
-                for c, v in found.items():
-                    if v > maxima.get(c, 0):
-                        maxima[c] = v
+            cats, kept, off = _split(snap, key_category, offloaded, category_max, offload_category_max)
             if snap["Total"] - off > offload_peak:
                 offload_peak, offload_snap, offload_at = snap["Total"] - off, dict(snap), moment
             rows.append((moment["phase"], cats, kept))
