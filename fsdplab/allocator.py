@@ -26,6 +26,8 @@ import bisect
 import itertools
 import math
 
+from .gpu_measured import OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1, OUTSIDE_ALLOCATOR_FSDP_WS1
+
 MIN_BLOCK = 512                    # kMinBlockSize
 SMALL_SIZE = 1 << 20               # kSmallSize: the largest small-pool request
 SMALL_BUFFER = 2 << 20             # kSmallBuffer: small-pool segment
@@ -251,21 +253,43 @@ def replay(events, preloaded: int = 0, expandable_segments: bool = False, snapsh
     return result
 
 
-# What nvidia-smi shows beyond the allocator's reserved memory. Both are assumptions, not measured here: the CUDA
-# context with torch's kernels loaded lazily (0.3-0.6 GiB by GPU and driver), and NCCL's buffers for one process
-# group (per channel and peer, NCCL_BUFFSIZE = 4 MiB for the Simple protocol plus the LL and LL128 buffers: about
-# 0.5 GiB for 8 GPUs on NVLink; none for one rank). tests/gpu/test_memory.py measures both where a GPU is lent.
-CUDA_CONTEXT_BYTES = 512 << 20
+# What nvidia-smi shows beyond the allocator's reserved memory (fsdplab.gpu_measured has the run):
+# - the CUDA context with torch's kernels loaded, cuBLAS's workspace and the rest of what torch holds outside the
+#   caching allocator: 877,461,504 B (0.82 GiB) measured on an H200 at world size 1 (torch 2.11.0+cu130, CUDA
+#   13.0, 2026-12-04: mem_get_info's total - free less memory_reserved, the same on every FSDP2 setting). Other
+#   GPUs, drivers and CUDA releases differ by a few hundred MiB.
+# - NCCL's communicator. At world size 1 FSDP2 issues no collective and none is made (the figure above);
+#   replicate() (strategy ddp) makes one: 488 MiB more outside the allocator, measured on the same H200 at world
+#   size 1. At world size 2 and more it holds buffers per channel and peer (NCCL_BUFFSIZE = 4 MiB for the Simple
+#   protocol, plus LL and LL128): NCCL_BYTES is an assumption there, never measured (NVLS buffers on NVSwitch
+#   systems can take more).
+CUDA_CONTEXT_BYTES = OUTSIDE_ALLOCATOR_FSDP_WS1
+NCCL_ONE_RANK_BYTES = OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1 - OUTSIDE_ALLOCATOR_FSDP_WS1
 NCCL_BYTES = 512 << 20
+CUDA_CONTEXT_SOURCE = "measured on an H200 at world size 1"
+
+
+def nccl_share(setting=None) -> tuple[int, str]:
+    """(bytes NCCL holds on a GPU for `setting`, where the figure comes from)."""
+    if setting is not None and setting.world_size == 1:
+        if setting.strategy == "ddp":
+            return NCCL_ONE_RANK_BYTES, "measured on an H200 at world size 1"
+        return 0, "none: FSDP2 issues no collective at world size 1 (measured on an H200)"
+    return NCCL_BYTES, "assumed, not measured: NCCL's buffers at world size 2 and more depend on GPUs and links"
 
 
 def allocator_view(replayed: dict, setting=None) -> dict:
     """A report's `gpu_view`: reserved memory with and without expandable segments (replayed), and what
-    nvidia-smi would show on top (assumed context and NCCL figures)."""
+    nvidia-smi would show on top: the CUDA context as measured, NCCL's share (measured at world size 1,
+    assumed above it), each with its source."""
     if not replayed:
         return {}
-    nccl = NCCL_BYTES if setting is None or setting.world_size > 1 else 0
-    return {"reserved": replayed["reserved"], "reserved_expandable_segments": replayed["reserved_expandable"],
-            "cuda_context_assumed": CUDA_CONTEXT_BYTES, "nccl_assumed": nccl,
+    nccl, nccl_source = nccl_share(setting)
+    view = {"reserved": replayed["reserved"], "reserved_expandable_segments": replayed["reserved_expandable"],
+            "cuda_context": CUDA_CONTEXT_BYTES, "cuda_context_source": CUDA_CONTEXT_SOURCE,
+            "nccl": nccl, "nccl_source": nccl_source,
             "nvidia_smi": replayed["reserved"] + CUDA_CONTEXT_BYTES + nccl,
             "segments": replayed["segments"], "allocated_peak_rounded": replayed["allocated_peak"]}
+    if replayed.get("offload"):
+        view["offload"] = replayed["offload"]
+    return view

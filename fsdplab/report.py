@@ -70,8 +70,11 @@ class MemoryReport:
             g = self.gpu_view
             lines.append(f"  on a GPU: reserved {g['reserved'] / div:.3f} {unit} (the caching allocator's segments; "
                          f"{g['reserved_expandable_segments'] / div:.3f} {unit} with expandable_segments), "
-                         f"nvidia-smi about {g['nvidia_smi'] / div:.3f} {unit} (+ CUDA context and NCCL, assumed "
-                         f"{(g['cuda_context_assumed'] + g['nccl_assumed']) / div:.2f} {unit})")
+                         f"nvidia-smi about {g['nvidia_smi'] / div:.3f} {unit} (+ CUDA context "
+                         f"{g['cuda_context'] / div:.2f} {unit}, {g['cuda_context_source']}; + NCCL "
+                         f"{g['nccl'] / div:.2f} {unit}, {g['nccl_source']})")
+            if g.get("offload"):
+                lines.append(f"  on a GPU under cpu offload: {g['offload']}")
         if self.peak_moment:
             m = self.peak_moment
             lines.append(f"  peak at: {m.get('phase', '?')}" + (f", in {m['module']}" if m.get("module") else "")

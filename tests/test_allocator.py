@@ -10,6 +10,7 @@ from fsdplab.allocator import CachingAllocator, replay, round_size, segment_size
 from fsdplab.memory import estimate
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def test_sizes_are_rounded_as_the_allocator_rounds():
@@ -90,8 +91,28 @@ def test_an_estimate_reports_reserved_memory_above_its_active_peak():
     assert view["allocated_peak_rounded"] >= report.peak_bytes          # each tensor rounded up to 512 bytes
     assert view["allocated_peak_rounded"] - report.peak_bytes < 0.05 * report.peak_bytes
     assert view["reserved"] >= view["allocated_peak_rounded"] and view["reserved"] % (2 * MiB) == 0
-    assert view["nvidia_smi"] == view["reserved"] + view["cuda_context_assumed"] + view["nccl_assumed"]
+    assert view["nvidia_smi"] == view["reserved"] + view["cuda_context"] + view["nccl"]
     assert "on a GPU: reserved" in report.table()
+    assert "measured on an H200 at world size 1" in report.table()
+
+
+def test_nvidia_smis_extra_is_the_h200_measurement_at_world_size_1_and_an_assumption_above():
+    from fsdplab import gpu_measured
+    from fsdplab.allocator import allocator_view
+    from fsdplab.settings import TrainSetting
+
+    replayed = {"reserved": 10 * GiB, "reserved_expandable": 9 * GiB, "segments": 3, "allocated_peak": 9 * GiB}
+    fsdp_rows = [r for r in gpu_measured.ROWS if r.train_setting().strategy == "full_shard"][:10]
+    one = allocator_view(replayed, TrainSetting(model="tiny", world_size=1))
+    # what the H200 held outside the allocator on the FSDP2 rows measured before any NCCL communicator existed
+    assert one["cuda_context"] == fsdp_rows[0].outside_allocator and one["nccl"] == 0
+    assert one["nvidia_smi"] == 10 * GiB + fsdp_rows[0].outside_allocator
+    ddp = allocator_view(replayed, TrainSetting(model="tiny", world_size=1, strategy="ddp"))
+    ddp_row = next(r for r in gpu_measured.ROWS if r.train_setting().strategy == "ddp")
+    assert ddp["cuda_context"] + ddp["nccl"] == ddp_row.outside_allocator      # replicate() made a communicator
+    eight = allocator_view(replayed, TrainSetting(model="tiny", world_size=8))
+    assert eight["nccl"] > 0 and eight["nccl_source"].startswith("assumed")
+    assert "measured" in one["cuda_context_source"] and "measured" in ddp["nccl_source"]
 
 
 def test_the_memory_visualizer_snapshot_reads_back_through_torchs_own_parser(tmp_path):
