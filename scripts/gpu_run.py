@@ -9,7 +9,17 @@ Files run in the order env, cluster, fsdp1, memory, offload, lessons (then any o
 longest, come last and get what the budget leaves (each lesson has its own limit, FSDPLAB_LESSON_TIMEOUT). After every file OUT/gpu_run.json is rewritten: per file the counts of
 passed / failed / skipped / errors, seconds, status, the measurements its tests recorded (the `record`
 fixture of tests/gpu/conftest.py), skip reasons and the tail of the output; OUT/<file>.log holds all of it.
-Exit code 1 if any test failed or errored, or a file ran past its own limit; skipped tests are fine.
+Exit code 1 if any test failed or errored, or a file ran past its own limit; 3 if nothing failed but a file
+was cut short by the total budget or not started for lack of it (a partial run is never reported as a pass);
+skipped tests are fine.
+
+    python scripts/gpu_run.py --check [--out OUT] [--budget 450]      (what scripts/gpu_check.sh runs)
+
+runs the whole one-shot GPU check instead: the machine record, then the steps scripts/gpu_plan.py chooses for the
+GPU count (fsdplab doctor, the lessons, tests/gpu, the torchrun recipe, the estimator against the GPU), each in a
+process session of its own under the one budget, independent lanes side by side; OUT/steps.tsv, OUT/<step>.log,
+OUT/check.json; a step table and every measurement at the end. Exit code 0 every step passed, 1 a step failed or
+timed out, 3 a step was cut, skipped for the budget or incomplete, 4 no GPU (nothing was checked).
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +49,7 @@ SUMMARY_LINE = re.compile(r"^=+ (.*\bin [\d.]+s.*) =+$", re.M)
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?)\b")
 TEST_LINE = re.compile(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR)\b")
 SKIP_REASON = re.compile(r"^SKIPPED \[\d+\] [^\n]*?:\d+: (.*)$", re.M)
+EXIT_FAILED, EXIT_INCOMPLETE, EXIT_NO_GPU = 1, 3, 4
 
 
 def test_files(folder: Path, names) -> list:
@@ -110,6 +123,15 @@ def is_bad(result: dict) -> bool:
     return result["status"] in ("failed", "timeout") or result["failed"] > 0 or result["errors"] > 0
 
 
+def files_exit_code(results) -> int:
+    """1 for a failure, error or timeout; else 3 when a file was cut by the total budget or never started
+    (its tests did not all run, so the run checked less than it was asked to); else 0."""
+    results = list(results)
+    if any(is_bad(r) for r in results):
+        return EXIT_FAILED
+    return EXIT_INCOMPLETE if any(r["status"] in ("cut", "not run") for r in results) else 0
+
+
 def print_summary(report: dict) -> None:
     files = report["files"]
     width = max([4] + [len(name) for name in files])
@@ -126,6 +148,188 @@ def print_summary(report: dict) -> None:
           f"exit code {report['exit_code']}")
 
 
+# --- the one-shot check: steps under one budget (--check) --------------------------------------------------------
+
+@dataclass
+class Step:
+    """One command of the check. Not started with less than `min_s` of the budget left ("skipped (budget)");
+    killed at `limit_s` ("timeout") or where the budget ends first ("cut")."""
+    name: str
+    cmd: list
+    limit_s: float
+    min_s: float = MIN_START_S
+    env: dict = field(default_factory=dict)
+    keep: str = ""            # regex: the log lines that are measurements, printed in the summary
+    gpu_run: bool = False     # a `gpu_run.py` of test files: exit code 3 is "incomplete", its JSON has the records
+    explain: dict = field(default_factory=dict)   # regex in the log -> what it means, for the step table
+
+    @property
+    def folder(self) -> str:
+        return self.name
+
+
+def step_result(step: Step, status: str, *, rc=None, seconds=0.0, limit=0.0, detail="") -> dict:
+    return {"step": step.name, "status": status, "rc": rc, "seconds": round(seconds, 1), "limit_s": round(limit),
+            "detail": detail, "cmd": " ".join(map(str, step.cmd))}
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:160] if lines else ""
+
+
+LIVE = set()   # processes of the steps running now: a SIGTERM of the check takes their sessions down too
+
+
+def kill_live(signum=None, frame=None):
+    for proc in list(LIVE):
+        kill_session(proc)
+    if signum is not None:
+        sys.exit(128 + signum)
+
+
+def run_step(step: Step, out: Path, left: float) -> dict:
+    """Run `step` with `left` seconds of the budget; OUT/<name>.log has its output."""
+    if left < step.min_s:
+        return step_result(step, "skipped (budget)", detail=f"{max(left, 0):.0f} s of the budget left, needs {step.min_s:.0f}")
+    limit = min(step.limit_s, left)
+    log = out / f"{step.name}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{k: str(v) for k, v in step.env.items()})
+    t0 = time.monotonic()
+    killed = False
+    with open(log, "w") as sink:
+        sink.write(f"$ {' '.join(map(str, step.cmd))}\n")
+        sink.flush()
+        try:
+            proc = subprocess.Popen(list(map(str, step.cmd)), cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as err:
+            return step_result(step, "failed", detail=f"cannot start: {err}")
+        LIVE.add(proc)
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            killed = True
+        finally:                      # a session of its own: ranks, kernels and torchrun's workers go with it
+            kill_session(proc)
+            LIVE.discard(proc)
+    seconds = time.monotonic() - t0
+    text = log.read_text(errors="replace")
+    if killed:
+        status = "timeout" if limit >= step.limit_s else "cut"
+        detail = f"stopped at {limit:.0f} s" + ("" if status == "timeout" else " (the budget's end)")
+    elif proc.returncode == 0:
+        status, detail = "passed", ""
+    elif step.gpu_run and proc.returncode == EXIT_INCOMPLETE:
+        status, detail = "incomplete", "a test file was cut or not started: see its gpu_run.json"
+    else:
+        status, detail = "failed", last_line(text)
+    for pattern, meaning in step.explain.items():
+        if re.search(pattern, text):
+            detail = meaning
+    return step_result(step, status, rc=proc.returncode, seconds=seconds, limit=limit, detail=detail)
+
+
+def run_phases(phases: list, out: Path, budget: float, start: float | None = None) -> list:
+    """Run phases one after another; a phase's lanes side by side (threads), each lane's steps in order; every
+    step gets what is left of the one budget. Results in the order of `phases`."""
+    start = time.monotonic() if start is None else start
+    results = {}
+
+    def lane_worker(lane):
+        for step in lane:
+            left = budget - (time.monotonic() - start)
+            print(f"=== {step.name} (at most {min(step.limit_s, max(left, 0)):.0f} s): "
+                  f"{' '.join(map(str, step.cmd))[:200]}", flush=True)
+            results[step.name] = r = run_step(step, out, left)
+            print(f"    {step.name}: {r['status']} in {r['seconds']:.0f} s {r['detail']}".rstrip(), flush=True)
+
+    for phase in phases:
+        threads = [threading.Thread(target=lane_worker, args=(lane,), daemon=True) for lane in phase if lane]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():   # short joins: a SIGTERM's handler runs in this thread meanwhile
+                thread.join(0.5)
+    return [results[step.name] for phase in phases for lane in phase for step in lane]
+
+
+def check_exit_code(results: list) -> int:
+    statuses = [r["status"] for r in results]
+    if any(s in ("failed", "timeout") for s in statuses):
+        return EXIT_FAILED
+    return EXIT_INCOMPLETE if any(s != "passed" for s in statuses) else 0
+
+
+def write_table(results: list, out: Path) -> None:
+    rows = ["step\tstatus\trc\tseconds\tlimit_s\tdetail"]
+    rows += [f"{r['step']}\t{r['status']}\t{'' if r['rc'] is None else r['rc']}\t{r['seconds']}\t{r['limit_s']}\t"
+             f"{r['detail'].replace(chr(9), ' ')}" for r in results]
+    (out / "steps.tsv").write_text("\n".join(rows) + "\n")
+
+
+def measurements(step: Step, out: Path) -> list:
+    """The lines of `step`'s results worth keeping: its tests' records (gpu_run.json), else its log's `keep` lines."""
+    lines = []
+    report = out / step.folder / "gpu_run.json"
+    if step.gpu_run and report.exists():
+        for name, r in json.loads(report.read_text())["files"].items():
+            lines.append(f"{name}: {r['status']}, {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
+                         f"{r['errors']} errors in {r['seconds']} s")
+            lines += [f"  skipped: {reason}" for reason in r["skip_reasons"][:4]]
+            for test, values in r["measurements"].items():
+                lines.append(f"  {test}: " + ", ".join(f"{k}={v}" for k, v in values.items())[:400])
+    elif step.keep and (out / f"{step.name}.log").exists():
+        pattern = re.compile(step.keep)
+        lines += [line.rstrip() for line in (out / f"{step.name}.log").read_text(errors="replace").splitlines()
+                  if pattern.search(line)][:60]
+    return lines
+
+
+def print_check_summary(steps: list, results: list, out: Path, total: float, budget: float, code: int) -> None:
+    width = max(len(r["step"]) for r in results)
+    print(f"\n{'step':<{width}}  {'status':<17} {'rc':>4} {'seconds':>8} {'limit':>6}  detail")
+    for r in results:
+        rc = "" if r["rc"] is None else r["rc"]
+        print(f"{r['step']:<{width}}  {r['status']:<17} {rc!s:>4} {r['seconds']:>8.1f} {r['limit_s']:>6}  {r['detail']}")
+    for step in steps:
+        lines = measurements(step, out)
+        if lines:
+            print(f"\n--- {step.name}")
+            print("\n".join(lines))
+    print(f"\ntotal {total:.0f} s of {budget:.0f}; steps in {out / 'steps.tsv'}, logs in {out}; exit code {code}")
+
+
+def check(out: Path, budget: float) -> int:
+    """The one-shot GPU check (see the module's docstring): the machine record, then gpu_plan's steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_plan
+
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    machine = Step(**gpu_plan.machine_step(out))
+    results = run_phases([[[machine]]], out, budget, start)
+    facts = gpu_plan.read_facts(out)
+    phases = [[[Step(**spec) for spec in lane] for lane in phase] for phase in gpu_plan.plan(facts, out, sys.executable)]
+    planned = [step for phase in phases for lane in phase for step in lane]
+    if not facts.get("gpus"):
+        print(f"\nno GPU: {facts.get('no_gpu_reason') or 'the machine record found none (see ' + str(out / machine.name) + '.log)'}."
+              f"\nNothing was checked; the {len(planned)} GPU steps were not run.", flush=True)
+        results += [step_result(step, "not run (no GPU)") for step in planned]
+        code = EXIT_NO_GPU
+    else:
+        print(f"{len(facts['gpus'])} GPU(s): {', '.join(sorted({g['name'] for g in facts['gpus']}))}; "
+              f"{len(planned)} steps in {len(phases)} phases", flush=True)
+        results += run_phases(phases, out, budget, start)
+        code = check_exit_code(results)
+    total = time.monotonic() - start
+    write_table(results, out)
+    (out / "check.json").write_text(json.dumps({"budget_s": budget, "total_s": round(total, 1), "exit_code": code,
+                                                 "machine": facts, "steps": results}, indent=1, default=str))
+    print_check_summary([machine] + planned, results, out, total, budget, code)
+    return code
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="gpu_run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
@@ -138,6 +342,8 @@ def parse_args(argv=None):
     p.add_argument("--file-limit", type=float, default=300, help="seconds one file may take (default 300; "
                    f"not for {', '.join(UNLIMITED)})")
     p.add_argument("-k", dest="keyword", help="pytest -k expression, e.g. '1b or 03_'")
+    p.add_argument("--check", action="store_true", help="the whole one-shot GPU check (scripts/gpu_plan.py's steps) "
+                   "instead of test files")
     return p.parse_args(argv)
 
 
@@ -145,6 +351,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # `timeout` (gpu_check.sh) stops this runner with SIGTERM: exit through run_file's cleanup.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.check:
+        signal.signal(signal.SIGTERM, kill_live)
+        return check(args.out.resolve(), args.budget)
     files = test_files(args.tests.resolve(), args.files)
     if not files:
         raise SystemExit(f"gpu_run: no test_*.py files in {args.tests}")
@@ -168,7 +377,7 @@ def main(argv=None) -> int:
                   f"skipped, {result['errors']} errors in {result['seconds']:.0f} s", flush=True)
         report["files"][path.stem] = result
         report["total_s"] = round(time.monotonic() - start, 1)
-        report["exit_code"] = int(any(is_bad(r) for r in report["files"].values()))
+        report["exit_code"] = files_exit_code(report["files"].values())
         Path(report["json"]).write_text(json.dumps(report, indent=1, default=str))
     print_summary(report)
     return report["exit_code"]
