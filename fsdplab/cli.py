@@ -1,11 +1,13 @@
 """Command line: `fsdplab lab` opens the learner's copy of the lessons in JupyterLab; `fsdplab run` executes the
-lessons with papermill; `fsdplab estimate` sizes a run."""
+lessons with papermill; `fsdplab estimate` sizes a run; `fsdplab doctor` checks a GPU machine first."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import math
+import os
 import signal
 import sys
 import tempfile
@@ -17,6 +19,8 @@ from .runner import (INTERRUPTED, declared_parameters, figures_folder, output_lo
 from .settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent / "notebooks"    # shipped with the package
+BACKENDS = ("auto", "gloo", "nccl")
+BACKEND_ENV = "FSDPLAB_BACKEND"     # read by the lessons' clusters: the kernels and their ranks inherit it
 
 
 def lesson_paths(names=()) -> list:
@@ -116,6 +120,24 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+@contextlib.contextmanager
+def _backend_environment(backend):
+    """FSDPLAB_BACKEND=`backend` for the run (the kernels inherit it), the caller's value back afterwards;
+    None leaves the environment as it is."""
+    if backend is None:
+        yield
+        return
+    saved = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = backend
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = saved
+
+
 def run_command(args) -> int:
     """`fsdplab run`: execute the lessons, print a summary and where the executed notebooks are."""
     if args.world_size is not None and args.world_size < 1:
@@ -127,7 +149,7 @@ def run_command(args) -> int:
     check_folder("--figures", figures_folder(args.figures, out), paths)
     previous = signal.signal(signal.SIGTERM, _interrupt) if _main_thread() else None
     try:
-        with output_lock(out):
+        with output_lock(out), _backend_environment(getattr(args, "backend", None)):
             rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress,
                                figures=args.figures)
     finally:
@@ -289,6 +311,15 @@ def main(argv=None) -> int:
     run.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
                      help="papermill parameter for lessons that declare it, e.g. -p steps 200")
     run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
+    run.add_argument("--backend", choices=BACKENDS, default=None,
+                     help="the lessons' process groups: auto (nccl with one GPU per rank when there are enough, "
+                          "else gloo on CPU ranks), gloo (CPU ranks even on a GPU machine) or nccl; sets "
+                          f"{BACKEND_ENV} (default: the environment's {BACKEND_ENV}, else auto)")
+
+    doc = sub.add_parser("doctor", help="check this machine before the lessons: GPUs, torch's CUDA build, bf16, "
+                                        "NCCL, memory, /dev/shm, CUDA_VISIBLE_DEVICES, packages")
+    doc.add_argument("--world-size", type=int, default=None, help="ranks you mean to run (one GPU each on nccl)")
+    doc.add_argument("--json", action="store_true", help="print one JSON object: the facts and the findings")
 
     web = sub.add_parser("site", help="a static website of lessons already executed by `fsdplab run` (runs nothing)")
     web.add_argument("run", nargs="?", default="runs", help="the folder `fsdplab run --out` wrote (default: runs)")
@@ -348,6 +379,10 @@ def main(argv=None) -> int:
             return lab_module.lab_command(args)
         if args.command == "run":
             return run_command(args)
+        if args.command == "doctor":
+            from .runner.doctor import doctor_command
+
+            return doctor_command(args)
         if args.command == "site":
             from . import site
 
