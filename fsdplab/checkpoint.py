@@ -153,7 +153,8 @@ def equal_state(a: dict, b: dict) -> list:
         if name not in a or name not in b:
             rows.append((name, None, None, False))
             continue
-        x, y = torch.as_tensor(a[name]), torch.as_tensor(b[name])
+        # on the CPU: one side is often a tensor a GPU rank returned, the other one read from a file
+        x, y = (torch.as_tensor(t).detach().cpu() for t in (a[name], b[name]))
         same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
         rows.append((name, tuple(x.shape), str(x.dtype).replace("torch.", ""), bool(same)))
     return rows
@@ -436,12 +437,15 @@ def fsdp1_state_dict_defaults() -> dict:
 # --- a training loop whose result does not depend on the world size ----------------------------------------------
 
 def train_steps(model, optimizer, cfg, steps: int, start_step: int = 0, global_batch: int = 8,
-                seed: int = 0, device="cpu") -> list:
+                seed: int = 0, device=None) -> list:
     """`steps` optimizer steps from `start_step` on the toy task. Every step uses the same global batch at
     any world size (rank r takes its slice of it), so a run resumed at another world size sees the same
-    data. Returns the global mean loss of each step (the same on every rank)."""
-    from .models import random_batch
+    data. The batch goes to `device` (None: this rank's). Returns the global mean loss of each step (the same
+    on every rank)."""
+    from .models import default_device, random_batch
     from .sharding import train_step
+
+    device = default_device(device)
 
     world, rank = this_world_size(), this_rank()
     if global_batch % world:
@@ -451,7 +455,7 @@ def train_steps(model, optimizer, cfg, steps: int, start_step: int = 0, global_b
     dist = _dist()
     losses = []
     for step in range(start_step, start_step + steps):
-        tokens, targets = random_batch(cfg, global_batch, seed=seed + step)
+        tokens, targets = random_batch(cfg, global_batch, seed=seed + step, device="cpu")
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         total = train_step(model, optimizer, (tokens[mine].to(device), targets[mine].to(device)))
         if dist:

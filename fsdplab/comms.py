@@ -325,8 +325,9 @@ def make_mesh(shape=None, names=None):
     return init_device_mesh(device().type, tuple(shape), mesh_dim_names=tuple(names) if names else None)
 
 
-def toy_step(model, optimizer, cfg, batch_size, seed, counter=None, device="cpu") -> float:
-    """One `sharding.train_step` on a toy-task batch; with a counter the optimizer step is its "step" section."""
+def toy_step(model, optimizer, cfg, batch_size, seed, counter=None, device=None) -> float:
+    """One `sharding.train_step` on a toy-task batch (on `device`; None: this rank's); with a counter the
+    optimizer step is its "step" section."""
     from .models import random_batch
     from .sharding import train_step
 

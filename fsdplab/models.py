@@ -62,8 +62,29 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def random_batch(cfg: TinyConfig, batch_size: int = 4, seed: int = 0, device="cpu"):
-    """(tokens, targets) of a learnable toy task: each target is the next token of a repeating sequence."""
+def default_device(device=None) -> torch.device:
+    """`device` as a torch.device; None means where this process computes: `fsdplab.device()` on a rank
+    (cuda:LOCAL_RANK under nccl), the current GPU in an nccl group started otherwise (torchrun), else the CPU
+    (a gloo rank, the notebook kernel). Defaults of rank code use it: an nccl rank has no CPU collectives, and
+    FSDP2 moves a model's inputs to its device but nothing else (the loss's targets, a reference)."""
+    if device is not None:
+        return torch.device(device)
+    from .runtime.on_rank import STATE
+
+    if STATE.get("device"):
+        return torch.device(STATE["device"])
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):   # "cpu:gloo,cuda:nccl" too
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def random_batch(cfg: TinyConfig, batch_size: int = 4, seed: int = 0, device=None):
+    """(tokens, targets) of a learnable toy task: each target is the next token of a repeating sequence. On
+    `device` (None: this rank's, `default_device`); drawn on the CPU first, so the same seed gives the same batch
+    on every device."""
+    device = default_device(device)
     gen = torch.Generator().manual_seed(seed)
     start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=gen)
     step = torch.randint(1, 7, (batch_size, 1), generator=gen)

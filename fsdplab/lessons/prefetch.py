@@ -156,11 +156,13 @@ def compare_sharded_step(step_fn, dim: int = 8, batch_size: int = 4, seed: int =
     from torch.distributed.fsdp import fully_shard
 
     from ..comms import CommCounter
-    from ..ranks import mesh, this_rank, world_size
+    from ..ranks import device, mesh, this_rank, world_size
 
     n, r = world_size(), this_rank()
-    weight = torch.randn(dim * n, dim, generator=torch.Generator().manual_seed(seed))
-    batch = torch.randn(batch_size, dim, generator=torch.Generator().manual_seed(seed + 1 + r))
+    # drawn on the CPU (the same numbers on any device), then on the rank's device, where fully_shard's
+    # gradient will be: the learner's collectives then run on the backend a GPU rank has for them
+    weight = torch.randn(dim * n, dim, generator=torch.Generator().manual_seed(seed)).to(device())
+    batch = torch.randn(batch_size, dim, generator=torch.Generator().manual_seed(seed + 1 + r)).to(device())
     with CommCounter(fsdp_labels=False) as mine:
         got = step_fn(weight.chunk(n)[r].clone(), batch)
     linear = nn.Linear(dim, dim * n, bias=False)
@@ -174,7 +176,7 @@ def compare_sharded_step(step_fn, dim: int = 8, batch_size: int = 4, seed: int =
            "kinds": [c["kind"] for c in mine.records], "fsdp_kinds": [c["kind"] for c in ref.records],
            "shape": tuple(getattr(got, "shape", ())), "expected_shape": tuple(expected.shape)}
     if isinstance(got, torch.Tensor) and got.shape == expected.shape:
-        out["rel_error"] = float((got.detach() - expected).norm() / expected.norm())
+        out["rel_error"] = float((got.detach().to(expected.device) - expected).norm() / expected.norm())
     else:
         out["rel_error"] = float("inf")
     return out

@@ -70,6 +70,7 @@ def held_rows(local, full) -> list:
     """Which rows of `full` (the unsharded weight) the local shard `local` holds, found by comparing rows."""
     if local.numel() == 0:
         return []
+    full = full.to(local.device)    # the shard is on the rank's GPU, the copy taken before sharding on the CPU
     same = (local.unsqueeze(1) == full.unsqueeze(0)).all(-1)     # local row x global row
     return same.float().argmax(dim=1).tolist()
 
