@@ -257,6 +257,22 @@ def test_run_takes_parameters_warns_and_says_where(tmp_path, capsys, monkeypatch
     assert {p.name for p in tmp_path.iterdir()} <= {"figs", "out", "tiny.ipynb"}   # nothing else written
 
 
+def test_backend_reaches_the_kernels_environment_and_is_put_back(tmp_path, capsys, monkeypatch):
+    """--backend gloo sets FSDPLAB_BACKEND for the lessons' kernels (their clusters read it); the run's own
+    process gets the user's value back, and without the flag the user's value passes as it is."""
+    monkeypatch.setenv("FSDPLAB_BACKEND", "nccl")
+    nb = tiny_notebook(tmp_path / "backend.ipynb", "import os\nprint('backend', os.environ.get('FSDPLAB_BACKEND'))")
+    assert main(["run", str(nb), "--out", str(tmp_path / "a"), "--no-progress", "--backend", "gloo"]) == 0
+    assert "backend gloo" in stream_text(tmp_path / "a" / "backend.ipynb")
+    assert os.environ["FSDPLAB_BACKEND"] == "nccl"
+    assert main(["run", str(nb), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert "backend nccl" in stream_text(tmp_path / "b" / "backend.ipynb")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["run", str(nb), "--backend", "mpi"])
+    assert "invalid choice: 'mpi'" in capsys.readouterr().err
+
+
 def test_failed_run_leaves_no_scratch(tmp_path, capsys, monkeypatch):
     """A cell fails after starting ranks: the summary names the cell, exit code 1, and neither the kernel's
     temporary folder nor the cluster's scratch folder is left; figures default to OUT/figures."""
