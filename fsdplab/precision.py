@@ -33,6 +33,26 @@ def _group(group_size):
     return first_ranks(group_size)
 
 
+def loss_scaler(precision: str, device, *, sharded: bool = False, init_scale: float = 2.0 ** 16):
+    """The loss scaler a training loop in `precision` needs on `device`: None for fp32 and bf16 (bf16 has
+    fp32's range); for fp16 a `torch.amp.GradScaler`, or with sharded=True FSDP1's `ShardedGradScaler`.
+
+    Under FSDP2 the plain GradScaler already agrees across ranks: its inf check on DTensor gradients
+    all-reduces the found-inf flag over the mesh (`fsdp2_scaler_on_rank` shows it). FSDP1's flat shards are
+    plain tensors, so each rank would see only its own inf: sharded=True all-reduces the flag itself."""
+    from .settings import check_choice
+
+    check_choice("precision", precision, PRECISIONS)
+    if precision != "fp16":
+        return None
+    device_type = torch.device(device).type
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device_type, init_scale=init_scale)
+    return torch.amp.GradScaler(device_type, init_scale=init_scale)
+
+
 # --- ranges ----------------------------------------------------------------------------------------
 
 def dtype_table() -> list:

@@ -36,6 +36,41 @@ def torch_dtype(name: str):
     return table[name]
 
 
+# Native bf16 (tensor cores, flash attention) starts with compute capability 8.0 (A100, A10, L4, H100). Below
+# it (T4 7.5, V100 7.0) torch still says bf16 is supported, by emulation: slow, with math-path attention.
+NATIVE_BF16_CAPABILITY = (8, 0)
+AUTO_PRECISION = "auto"
+
+
+def native_bf16(capability) -> bool:
+    """Whether a GPU of compute capability (major, minor) computes bf16 natively."""
+    return tuple(capability) >= NATIVE_BF16_CAPABILITY
+
+
+def auto_precision(device=None, cpu: str = "bf16") -> str:
+    """The compute dtype "auto" means on `device` (default: the current GPU if there is one, else the CPU):
+    bf16 where the GPU has native bf16, else fp16, which trains only with a loss scaler
+    (`fsdplab.precision.loss_scaler`); on CPU ranks `cpu`, the lab's choice there (bf16 needs no scaler).
+    Asks CUDA for the capability: call it on a rank or in a script, never in a notebook's kernel."""
+    import torch
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        check_choice("cpu precision", cpu, PRECISIONS)
+        return cpu
+    return "bf16" if native_bf16(torch.cuda.get_device_capability(device)) else "fp16"
+
+
+def resolve_precision(precision: str, device=None, cpu: str = "bf16") -> str:
+    """`precision` itself, or for "auto" what `auto_precision` picks on `device`."""
+    if precision == AUTO_PRECISION:
+        return auto_precision(device, cpu)
+    check_choice("precision", precision, PRECISIONS + (AUTO_PRECISION,))
+    return precision
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}.")
