@@ -55,6 +55,7 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     repeat_to (an FSDP2 model of identical blocks, the estimator): every number is that of the same model with
     `repeat_to` blocks, its middle block's events repeated (fsdplab.block_repeat)."""
     from ._torch_private.tracker import make_tracker
+    from .offload_view import gpu_side_log
     from .sharding import train_step
 
     if steps < 2:
@@ -65,6 +66,8 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
         from .models import blocks_of
 
         tracker.record_blocks = blocks_of(model)
+    elif offload:
+        tracker.record_blocks = []       # the step as events: what stays on the GPU is made from them
     if isinstance(batch, dict):
         tracker_inputs = tuple(batch.values())
     else:
@@ -104,7 +107,8 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
                                 tracker.offload_peak_at if offload else tracker.peak_at,
                                 tracker.memory_over_step(offload),
                                 # a copy: the log of the step alone (the tracker goes on to log the batch's free)
-                                None if offload else (list(tracker.alloc_log), tracker.alloc_preloaded)))
+                                gpu_side_log(tracker.preloaded, list(tracker.events)) if offload else
+                                (list(tracker.alloc_log), tracker.alloc_preloaded)))
             if progress:
                 progress(f"step {step + 1}/{steps} done")
     peak, by_category, raw, _, moment, timeline, alloc_log = min(records, key=lambda r: r[0])
@@ -117,16 +121,18 @@ def _repeated(tracker, model, depth, offload):
     """The step just tracked, its middle block repeated until the model has `depth` blocks, replayed."""
     from . import block_repeat
     from ._torch_private.tracker import replay_step
+    from .offload_view import gpu_side_log
 
     record = {"events": tracker.events, "preloaded": tracker.preloaded, "block_of": tracker.block_of,
               "names": block_repeat.block_names(model, tracker.record_blocks)}
     preloaded, events, _ = block_repeat.deepen(record, depth)
-    return replay_step(tracker, preloaded, events, offload)
+    *numbers, log, marks = replay_step(tracker, preloaded, events, offload)
+    return (*numbers, gpu_side_log(preloaded, events) if offload else log, marks)
 
 
 def _reserved(alloc_log) -> dict:
     """What the CUDA caching allocator would reserve for the step tracked (fsdplab.allocator), with and without
-    expandable segments; {} without a log (cpu offload: the host's part of the log is not the GPU's)."""
+    expandable segments; {} without a log. Under cpu offload the log is the GPU's part (fsdplab.offload_view)."""
     from . import allocator
 
     if not alloc_log or not alloc_log[0]:
@@ -299,6 +305,10 @@ def estimate_group(settings: list, progress=False) -> list:
 def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None, traced=None) -> MemoryReport:
     peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, alloc_log = run
     reserved = _reserved(alloc_log)
+    if setting.cpu_offload and reserved:
+        from .offload_view import DESCRIPTION
+
+        reserved["offload"] = DESCRIPTION
     if snapshot_path is not None:
         _write_snapshot(alloc_log, snapshot_path, say)
     notes = ["exact active peak (live tensors) of this program, on fake tensors; a GPU reserves more (the caching "
@@ -368,6 +378,7 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
     import torch
 
     from ._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
+    from .local_shards import step_local_shards
     from .sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 
     t0 = time.perf_counter()
@@ -383,7 +394,7 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
         with fake_tensor_mode(), eager_attention_masks():
             net.to_empty(device="cpu")
             opt = make_optimizer(net, setting.optimizer)
-            _step_local_shards(opt)
+            step_local_shards(opt)
             say("sharded; running two training steps")
             runs = []
             for point in points or [setting]:
@@ -395,42 +406,6 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
                 runs.append((run, time.perf_counter() - t0))
                 t0 = time.perf_counter()
             return runs
-
-
-def _step_local_shards(optimizer) -> None:
-    """Make `optimizer` step FSDP2's local shards instead of its DTensor parameters.
-
-    On DTensors every foreach op of the step pays DTensor's sharding propagation over hundreds of parameters
-    (seconds per op on fake tensors: a fifth of a 7B LoRA estimate), yet the memory is the local shards'
-    either way: DTensor runs the same foreach ops on them, and those are what the tracker sees. A step
-    pre-hook points the parameter groups at the shards and lends each shard its DTensor gradient's shard; a
-    post-hook takes both back, so that zero_grad frees the gradients as before. The optimizer state is keyed
-    by the shards, which FSDP2 settles in its lazy init (the first forward, before the first step)."""
-    from torch.distributed.tensor import DTensor
-
-    from ._torch_private import local_shard
-
-    held = [list(group["params"]) for group in optimizer.param_groups]
-
-    def lend(opt, args, kwargs):
-        for group, params in zip(opt.param_groups, held):
-            group["params"] = [local_shard(p) if isinstance(p, DTensor) else p for p in params]
-            for p, shard in zip(params, group["params"]):
-                if shard is not p:
-                    shard.grad = None if p.grad is None else local_shard(p.grad)
-        stepped = {id(shard) for group in opt.param_groups for shard in group["params"]}
-        assert all(id(key) in stepped for key in opt.state), \
-            "FSDP2 replaced a parameter's local shard after the optimizer state was keyed by it"
-
-    def take_back(opt, args, kwargs):
-        for group, params in zip(opt.param_groups, held):
-            for p, shard in zip(params, group["params"]):
-                if shard is not p:
-                    shard.grad = None
-            group["params"] = params
-
-    optimizer.register_step_pre_hook(lend)
-    optimizer.register_step_post_hook(take_back)
 
 
 # --- measure: live ranks ---------------------------------------------------------------------------------
@@ -483,13 +458,30 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
     if setting.world_size != mesh().size():
         raise ValueError(f"setting.world_size is {setting.world_size} but the group has {mesh().size()} ranks: "
                          f"use setting.replace(world_size={mesh().size()}).")
+    if setting.cpu_offload and device().type != "cuda":
+        raise ValueError("cpu_offload is measured on GPU ranks only: FSDP2's CPUOffloadPolicy moves shards between "
+                         "the host and an accelerator. On CPU ranks use estimate(setting), which models it.")
     torch.manual_seed(seed)
     config = config_of(setting.model)
-    net = build_model(setting.replace(model=config), device=device(), dtype=setting.base_dtype)
-    apply_data_parallel(net, setting, mesh() if setting.strategy != "hybrid_shard"
-                        else data_parallel_mesh(setting, device().type))
+    if setting.cpu_offload:
+        net = _build_offloaded(setting.replace(model=config), seed)
+    else:
+        net = build_model(setting.replace(model=config), device=device(), dtype=setting.base_dtype)
+        apply_data_parallel(net, setting, mesh() if setting.strategy != "hybrid_shard"
+                            else data_parallel_mesh(setting, device().type))
     opt = make_optimizer(net, setting.optimizer)
     tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len), device=device())
     report = measure(net, opt, {"input_ids": tokens, "labels": tokens}, steps=steps, loss_fn=loss_for(setting))
     report.settings.update(setting.to_dict())
     return report
+
+
+def _build_offloaded(setting: TrainSetting, seed: int):
+    """The model as an offloading program builds it: on the meta device, fully_shard with CPUOffloadPolicy, the
+    shards placed in host memory by to_empty, the weights from rank 0 (sharding.build_sharded). Built on the GPU
+    first, the model would leave there what offloading is meant to keep off it (and its peak would be that)."""
+    from .ranks import device, mesh
+    from .sharding import build_sharded
+
+    check_choice("strategy (with cpu_offload)", setting.strategy, ("full_shard", "shard_grad_op"))
+    return build_sharded(setting, mesh(), device=device(), seed=seed)

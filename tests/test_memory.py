@@ -243,3 +243,76 @@ def test_skipping_in_place_foreach_kernels_on_fake_tensors_changes_no_number(mon
         trackers.clear()
         assert (skipped > 0) == skip, (skip, skipped)
     assert reports[True] == reports[False]
+
+
+def test_cpu_offload_has_a_gpu_view_of_what_stays_on_the_gpu():
+    """Under CPUOffloadPolicy the GPU still holds the units in flight, activations and the comm buffers: the
+    report's GPU view replays that part (it was empty), below the view of the same step without offload."""
+    on = estimate(model="tiny", world_size=2, seq_len=64, progress=False)
+    off = estimate(model="tiny", world_size=2, seq_len=64, cpu_offload=True, progress=False)
+    view = off.gpu_view
+    assert view and "offload" in view and "on a GPU under cpu offload" in off.table()
+    # the replayed GPU part peaks where the tracker's on-device tally does (each tensor rounded to 512 B)
+    assert off.peak_bytes <= view["allocated_peak_rounded"] < off.peak_bytes * 1.05
+    assert view["reserved"] >= view["allocated_peak_rounded"]
+    assert view["reserved"] < on.gpu_view["reserved"] and view["allocated_peak_rounded"] < on.gpu_view["allocated_peak_rounded"]
+
+
+def test_the_gpu_side_of_an_offloaded_step():
+    from fsdplab.offload_view import gpu_side_log
+
+    preloaded = [(1, 4096, "Sharded Param"), (2, 1024, "Buffer")]
+    events = [("+", 3, 8192, "Unsharded Param"), ("c", {}), ("+", 4, 2048, "Reduce Scatter"),
+              ("r", 4, 2048, "Reduce Scatter", "Sharded Grad"),      # copied to the host: freed on the GPU
+              ("-", 3, 8192, "Unsharded Param"), ("m", "after backward"),
+              ("+", 5, 4096, "OptState"), ("+", 6, 512, "Temp"), ("-", 6, 512, "Temp"), ("-", 4, 2048, "Sharded Grad")]
+    log, count = gpu_side_log(preloaded, events)
+    assert count == 1 and log == [("+", 2, 1024, 0, "Buffer"), ("+", 3, 8192, 0, "Unsharded Param"),
+                                  ("+", 4, 2048, 2, "Reduce Scatter"), ("-", 4), ("-", 3)]
+
+
+class _OneRankMesh:
+    def size(self):
+        return 1
+
+
+def test_measure_setting_builds_an_offloaded_model_as_offloading_programs_do(monkeypatch):
+    """Not on the GPU first (which leaves there what offloading keeps off it): on meta, sharded with the offload
+    policy, placed on the host (sharding.build_sharded)."""
+    import torch
+
+    from fsdplab import ranks, sharding
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def build_model(setting, device=None, **kwargs):
+        calls.append(("build_model", str(device)))
+        raise Stop
+
+    def build_sharded(setting, mesh, device=None, seed=0, **kwargs):
+        calls.append(("build_sharded", setting.cpu_offload))
+        raise Stop
+
+    monkeypatch.setattr(ranks, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(ranks, "mesh", lambda: _OneRankMesh())
+    monkeypatch.setattr(sharding, "build_model", build_model)
+    monkeypatch.setattr(sharding, "build_sharded", build_sharded)
+    with pytest.raises(Stop):
+        measure_setting(model="tiny", world_size=1, cpu_offload=True)
+    assert calls == [("build_sharded", True)]
+    with pytest.raises(ValueError, match="strategy"):
+        measure_setting(model="tiny", world_size=1, cpu_offload=True, strategy="ddp")
+
+
+def test_measure_setting_refuses_cpu_offload_on_cpu_ranks(monkeypatch):
+    import torch
+
+    from fsdplab import ranks
+
+    monkeypatch.setattr(ranks, "device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(ranks, "mesh", lambda: _OneRankMesh())
+    with pytest.raises(ValueError, match="estimate"):
+        measure_setting(model="tiny", world_size=1, cpu_offload=True)
