@@ -342,9 +342,9 @@ def offload_attempt_on_rank(cfg=None) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def _seconds_per_step(model, opt, cfg, steps: int, dev) -> float:
+def _seconds_per_step(model, opt, cfg, steps: int, dev, scaler=None) -> float:
     """Median seconds of `steps` training steps (batches of 8) on GPU `dev`, after one untimed warm-up step;
-    each step timed from a synchronised device to a synchronised device."""
+    each step timed from a synchronised device to a synchronised device; fp16 steps through `scaler`."""
     import torch
 
     from .models import random_batch
@@ -355,58 +355,69 @@ def _seconds_per_step(model, opt, cfg, steps: int, dev) -> float:
         batch = random_batch(cfg, 8, seed=step, device=dev)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        train_step(model, opt, batch)
+        train_step(model, opt, batch, scaler=scaler)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
 
-def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 0) -> dict:
+def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 0, precision: str = "auto") -> dict:
     """On a rank with a GPU: train the tiny transformer under FSDP2 with/without CPUOffloadPolicy.
 
-    Returns seconds per step (median after one warm-up step), peak GPU bytes, and where the sharded
-    parameters and the optimizer state live. Raises ValueError on a CPU rank (CPUOffloadPolicy needs an
-    accelerator to offload from).
+    precision "auto" is bf16 on GPUs with native bf16, else fp16 with a GradScaler (a T4's emulated bf16 would
+    time the emulation, not the offload). Returns seconds per step (median after one warm-up step), peak GPU
+    bytes, where the sharded parameters and the optimizer state live, and the precision. Raises ValueError on
+    a CPU rank (CPUOffloadPolicy needs an accelerator to offload from).
     """
     import torch
 
+    from .precision import loss_scaler
     from .ranks import device, mesh
+    from .settings import resolve_precision
     from .sharding import apply_fsdp, build_tiny
 
     dev = device()
     if dev.type != "cuda":
         raise ValueError("offload_run needs a GPU rank: CPUOffloadPolicy moves state from the GPU to the host.")
+    precision = resolve_precision(precision, dev)
     model = build_tiny(cfg, seed=seed, device=dev)
     cfg = model.cfg
-    apply_fsdp(model, mesh(), precision="bf16", cpu_offload=cpu_offload)
+    apply_fsdp(model, mesh(), precision=precision, cpu_offload=cpu_offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     torch.cuda.reset_peak_memory_stats(dev)
-    seconds = _seconds_per_step(model, opt, cfg, steps, dev)
+    seconds = _seconds_per_step(model, opt, cfg, steps, dev, scaler=loss_scaler(precision, dev))
     p = next(iter(model.parameters()))
     state = opt.state[p]
-    return {"cpu_offload": cpu_offload, "seconds_per_step": seconds,
+    return {"cpu_offload": cpu_offload, "seconds_per_step": seconds, "precision": precision,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev), "param_device": str(p.to_local().device),
             "optimizer_state_device": str(state["exp_avg"].to_local().device
                                           if hasattr(state["exp_avg"], "to_local") else state["exp_avg"].device)}
 
 
-def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0) -> dict:
+def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0, precision: str = "auto") -> dict:
     """On a GPU rank: the posts' FSDP1 setup, `FSDP(model, cpu_offload=CPUOffload(offload_params=True))`,
-    wrapped per block, bf16 compute. Returns seconds per step and where the flat parameters live."""
+    wrapped per block; compute in `precision` ("auto" as in `offload_run`; fp16 through ShardedGradScaler,
+    since FSDP1's flat shards are plain tensors). Returns seconds per step and where the flat parameters live."""
     import torch
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
+    from .precision import loss_scaler
     from .ranks import device
+    from .settings import resolve_precision, torch_dtype
     from .sharding import apply_fsdp1, build_tiny
 
     dev = device()
     if dev.type != "cuda":
         raise ValueError("fsdp1_offload_run needs a GPU rank: FSDP1 refuses CPU ranks and offloads from a GPU.")
+    precision = resolve_precision(precision, dev)
+    mixed = (None if precision == "fp32" else
+             MixedPrecision(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32))
     # With offload_params=True FSDP1 keeps the sharded parameters on the CPU, so the model starts there.
     model = apply_fsdp1(build_tiny(cfg, seed=seed, device="cpu"), dev, cpu_offload=CPUOffload(offload_params=True),
-                        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+                        mixed_precision=mixed)
     cfg = model.module.cfg
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # train_step's loss_of calls the FSDP1 wrapper's forward, as the posts' code does
-    return {"seconds_per_step": _seconds_per_step(model, opt, cfg, steps, dev),
-            "param_device": str(next(model.parameters()).device)}
+    seconds = _seconds_per_step(model, opt, cfg, steps, dev, scaler=loss_scaler(precision, dev, sharded=True))
+    return {"seconds_per_step": seconds, "param_device": str(next(model.parameters()).device),
+            "precision": precision}

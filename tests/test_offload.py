@@ -146,6 +146,41 @@ def test_host_bandwidth_needs_a_gpu():
     assert O.measure_host_bandwidth() is None
 
 
+class _Timed(Exception):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+@pytest.mark.parametrize("capability,precision,scaled", [((7, 5), "fp16", True), ((9, 0), "bf16", False)])
+def test_offload_run_picks_fp16_with_a_scaler_without_native_bf16(monkeypatch, capability, precision, scaled):
+    """offload_run on a (monkeypatched) GPU rank: a T4 gets fp16 and a GradScaler, an H100 bf16 and none.
+    The FSDP calls are stubbed: this CPU machine cannot shard onto a GPU."""
+    import fsdplab.ranks
+    import fsdplab.sharding
+    from fsdplab.sharding import build_tiny
+
+    seen = {}
+    monkeypatch.setattr(fsdplab.ranks, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(fsdplab.ranks, "mesh", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(fsdplab.sharding, "build_tiny", lambda cfg=None, seed=0, device="cpu": build_tiny(cfg, seed))
+    monkeypatch.setattr(fsdplab.sharding, "apply_fsdp", lambda model, mesh, **kw: seen.update(kw) or model)
+
+    def timed(model, opt, cfg, steps, dev, scaler=None):
+        seen["scaler"] = scaler
+        raise _Timed
+
+    monkeypatch.setattr(O, "_seconds_per_step", timed)
+    with pytest.raises(_Timed):
+        O.offload_run(steps=1)
+    assert seen["precision"] == precision
+    assert isinstance(seen["scaler"], torch.amp.GradScaler) == scaled
+    with pytest.raises(_Timed):
+        O.offload_run(steps=1, precision="fp32")
+    assert seen["precision"] == "fp32" and seen["scaler"] is None
+
+
 # --- lesson 03's module: verdicts computed from numbers, the exercise's checker ---------------------------------
 
 def test_lesson03_verdicts_follow_the_numbers():

@@ -11,6 +11,43 @@ from fsdplab.models import TinyConfig
 CFG = TinyConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, seq_len=16)
 
 
+@pytest.mark.parametrize("capability,expected", [((7, 5), "fp16"), ((7, 0), "fp16"), ((8, 0), "bf16"),
+                                                 ((8, 6), "bf16"), ((9, 0), "bf16")])
+def test_auto_precision_is_bf16_only_with_native_bf16(monkeypatch, capability, expected):
+    from fsdplab.settings import auto_precision, resolve_precision
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    assert resolve_precision("auto", "cuda:1") == expected and asked == [torch.device("cuda", 1)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert auto_precision() == expected                       # no device: the current GPU
+    assert resolve_precision("fp32", "cuda:0") == "fp32"      # a named precision stays as it is
+
+
+def test_auto_precision_on_cpu_ranks_and_mistakes(monkeypatch):
+    from fsdplab.settings import auto_precision, resolve_precision
+
+    def no_gpu(*args, **kwargs):
+        raise AssertionError("a CPU rank asked CUDA")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_gpu)
+    assert resolve_precision("auto", "cpu") == "bf16" and auto_precision("cpu", cpu="fp32") == "fp32"
+    with pytest.raises(ValueError, match=r"precision must be one of \['fp32', 'bf16', 'fp16', 'auto'\]"):
+        resolve_precision("fp8", "cpu")
+
+
+def test_loss_scaler_only_for_fp16():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    assert P.loss_scaler("bf16", "cpu") is None and P.loss_scaler("fp32", "cpu") is None
+    scaler = P.loss_scaler("fp16", torch.device("cpu"))
+    assert type(scaler) is torch.amp.GradScaler and scaler.get_scale() == 2.0 ** 16
+    assert isinstance(P.loss_scaler("fp16", "cpu", sharded=True), ShardedGradScaler)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        P.loss_scaler("auto", "cpu")                          # resolve "auto" on the rank first
+
+
 def test_dtype_table_and_adam_eps():
     rows = {r["dtype"]: r for r in P.dtype_table()}
     assert rows["fp16"]["max"] == 65504 and rows["fp16"]["smallest_subnormal"] == 2.0 ** -24
