@@ -183,3 +183,32 @@ def test_fetch_gpu_wheels_targets_the_python_asked_for():
             f"--python-version {want}", ""), proc.stdout
     bad = subprocess.run(["bash", str(script), "--dry-run", "3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "3.11" in bad.stderr
+
+
+def test_memory_cases_settings_fp16_and_fit():
+    mc = load_path("memory_cases", ROOT / "tests" / "gpu" / "memory_cases.py")
+    assert len(mc.CASES) == 17 and not any(name.endswith("-off") for name in mc.CASES)
+    settings = {name: mc.setting_of(name) for name in mc.CASES}
+    assert all(s.world_size == 1 and not s.cpu_offload for s in settings.values())
+    assert settings["1b-full+ac-ddp"].strategy == "ddp" and settings["1b-full"].strategy == "full_shard"
+    assert settings["1b-full-eager"].attention == "eager" and settings["1b-full-chunks8"].loss_chunks == 8
+    assert settings["qwen7b-lora64-ac-bf16-s8192"].seq_len == 8192
+    # No native bf16 below compute capability 8.0 (a T4 is 7.5): every bf16 becomes fp16, nothing else changes.
+    t4 = mc.setting_of("qwen7b-lora64-ac-bf16", (7, 5))
+    assert (t4.precision, t4.base_dtype) == ("fp16", "fp16")
+    assert t4.replace(precision="bf16", base_dtype="bf16") == settings["qwen7b-lora64-ac-bf16"]
+    assert mc.setting_of("1b-full", (7, 5)).precision == "fp16" and mc.setting_of("1b-full", (8, 6)).precision == "bf16"
+    assert mc.setting_of("1b-full", (7, 5)).base_dtype == settings["1b-full"].base_dtype   # the fp32 master stays
+    # A setting runs only where it fits: a 16 GB T4 has no room for 21 GiB; 139 GiB free has.
+    view = {"nvidia_smi": 21 * 2**30}
+    reason = mc.skip_reason(view, 15 * 2**30)
+    assert reason and "15.0 GiB free" in reason and "21.0 GiB" in reason
+    assert mc.skip_reason(view, 139 * 2**30) is None
+    assert mc.error(18.76, 18.69) == pytest.approx(0.003745, rel=1e-3) and mc.error(0, 0) == 0.0
+
+
+def load_path(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -13,7 +13,7 @@ from fsdplab.models import TinyConfig
 from fsdplab.settings import GIB, TrainSetting
 from fsdplab.sharding import build_sharded, make_optimizer, train_step
 
-from .test_memory import one_b_config
+from .memory_cases import one_b_config
 
 BIG = TinyConfig(vocab_size=4096, dim=1024, num_layers=8, num_heads=16, seq_len=512)   # lesson 03's model
 STEPS = 5
