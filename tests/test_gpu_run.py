@@ -212,3 +212,20 @@ def load_path(name, path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_env_check_refuses_a_torch_below_the_floor(tmp_path, monkeypatch):
+    env = load_path("gpu_test_env", ROOT / "tests" / "gpu" / "test_env.py")
+    (tmp_path / "pyproject.toml").write_text('dependencies = [\n    "torch>=2.10",\n    "peft>=0.21",\n]\n')
+    assert env.floor_of("torch", tmp_path / "pyproject.toml") == (2, 10)
+    assert env.floor_of("numpy", tmp_path / "pyproject.toml") is None
+    floor = env.floor_of("torch")
+    below = f"{floor[0]}.{floor[1] - 1}.0+cu121" if floor[1] else f"{floor[0] - 1}.99.0"
+    monkeypatch.setattr(env, "torch", type("T", (), {"__version__": below}))
+    with pytest.raises(AssertionError, match="older than the lab's floor"):
+        env.test_torch_at_the_floor(lambda name, value: None)
+    monkeypatch.setattr(env, "torch", type("T", (), {"__version__": ".".join(map(str, floor)) + ".1+cu130"}))
+    env.test_torch_at_the_floor(lambda name, value: None)
+    monkeypatch.setattr(env, "MODEL_MODULES", ("json", "no_such_module_here"))
+    with pytest.raises(AssertionError, match="no_such_module_here"):
+        env.test_model_packages_import(lambda name, value: None)
