@@ -188,10 +188,14 @@ def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, **fsdp1_opt
 
 
 def apply_ddp(model: nn.Module, device=None, process_group=None) -> nn.Module:
-    """Classic DDP: every rank keeps everything; gradients are all-reduced in buckets."""
+    """Classic DDP: every rank keeps everything; gradients are all-reduced in buckets. The model goes to
+    `device` (None: this rank's): DDP, unlike fully_shard, leaves a model where it is."""
     from torch.nn.parallel import DistributedDataParallel
 
-    device = torch.device(device or "cpu")
+    from .models import default_device
+
+    device = default_device(device)
+    model.to(device)
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    process_group=process_group)
 

@@ -177,3 +177,15 @@ def test_build_sharded_builds_rank_0s_full_copy_where_full_copy_device_says(monk
         dist.destroy_process_group()
     assert asked == [(torch.device("cpu"), None)] and built[1] is where
     assert all(torch.equal(state[k], full[k]) for k in full)    # the CPU path's numbers, as before
+
+
+def test_split_batch_and_ddp_default_to_the_ranks_device(rank_on, monkeypatch):
+    from fsdplab.lessons.training_loop import split_batch
+    from fsdplab.sharding import apply_ddp
+
+    rank_on("meta")
+    tokens = torch.arange(32).reshape(8, 4)
+    assert all(x.is_meta and y.is_meta for x, y in split_batch((tokens, tokens), 0, 2, 2))
+    # DDP leaves a module where it is (fully_shard moves it): apply_ddp moves it to the rank's device first
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda module, **kwargs: module)
+    assert apply_ddp(torch.nn.Linear(2, 2)).weight.is_meta

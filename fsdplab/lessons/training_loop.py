@@ -189,10 +189,12 @@ def global_batch(cfg, step: int, size: int, seed: int = 0):
     return random_batch(cfg, batch_size=size, seed=seed * 10_007 + step)
 
 
-def split_batch(batch, rank: int, world_size: int, k: int, device="cpu") -> list:
-    """This rank's `k` micro-batches of a global batch, on `device`: rank r takes rows r, r + N, r + 2N, ...
+def split_batch(batch, rank: int, world_size: int, k: int, device=None) -> list:
+    """This rank's `k` micro-batches of a global batch, on `device` (None: this rank's): rank r takes rows r, r + N, r + 2N, ...
     (a strided split, as DistributedSampler without shuffling), then cuts them into k equal micro-batches."""
-    tokens, targets = (t.to(device) for t in batch)
+    from ..models import default_device
+
+    tokens, targets = (t.to(default_device(device)) for t in batch)
     mine = slice(rank, None, world_size)
     tokens, targets = tokens[mine], targets[mine]
     if len(tokens) % k:
