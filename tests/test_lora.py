@@ -152,6 +152,49 @@ def test_torchrun_script_loads_trains_and_saves_a_mergeable_adapter(tmp_path):
     assert isinstance(L.greedy_answer(merged, L.CharTokenizer(), "abc"), str)
 
 
+def test_fp16_recipe_trains_through_a_loss_scaler(tmp_path):
+    """--precision fp16 steps through a GradScaler (its scale in the log); without one fp16 gradients under
+    6e-8 flush to zero. The default, auto, is bf16 on CPU ranks."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+           "-m", "fsdplab.recipes.lora", "--model", "tiny", "--lora-rank", "8", "--steps", "2", "--batch-size", "4",
+           "--precision", "fp16", "--log-every", "1", "--output-dir", str(tmp_path / "adapter")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scales = re.findall(r"step\s+\d+\s+loss [0-9.]+\s+loss scale (\S+)", proc.stdout)
+    assert scales == ["65536", "65536"], proc.stdout
+    assert L.parse_args([]).precision == "auto"
+    assert L.parse_args(["--precision", "fp16"]).precision == "fp16"
+
+
+def test_inputs_go_where_a_sharded_model_computes_not_where_its_shards_live(monkeypatch):
+    """Under CPUOffloadPolicy the shards (so `next(model.parameters()).device`) stay on the host while FSDP2
+    gathers them to the mesh's GPU: greedy decoding's ids must go to the GPU. A DTensor on a CUDA mesh (a
+    fake process group; the shard on meta, standing in for a device other than the GPU) shows the choice."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plain = torch.nn.Linear(3, 4)
+    assert L.compute_device(plain) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        sharded = torch.nn.Module()
+        sharded.weight = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 3, device="meta"),
+                                                               DeviceMesh("cuda", torch.arange(2)), [Shard(0)],
+                                                               run_check=False))
+        assert sharded.weight.device.type == "meta"
+        assert L.compute_device(sharded) == torch.device("cuda", 1)
+        on_cpu = torch.nn.Module()
+        on_cpu.weight = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 3), DeviceMesh("cpu", torch.arange(2)),
+                                                              [Replicate()], run_check=False))
+        assert L.compute_device(on_cpu) == torch.device("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dashboard_fits_and_fsdp1_extra():
     dash = Q.lora_dashboard(gpu_gib=24.0)
     posts = dash.result

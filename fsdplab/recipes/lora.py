@@ -121,22 +121,37 @@ class StringTask:
 
 
 def train_steps(model, optimizer, task: StringTask, steps: int, *, batch_size: int = 8, seq_len=None,
-                seed: int = 0, log_every: int = 0, device=None) -> list:
-    """Plain LoRA training loop; each rank draws its own batches. Returns this rank's losses."""
+                seed: int = 0, log_every: int = 0, device=None, scaler=None) -> list:
+    """Plain LoRA training loop; each rank draws its own batches. Returns this rank's losses.
+
+    scaler: a GradScaler (`fsdplab.precision.loss_scaler`), which fp16 needs: without one, gradients below
+    fp16's 6e-8 flush to zero and an overflow's inf reaches the weights. The log then shows its scale."""
     from ..ranks import this_rank
     from ..sharding import train_step
 
     rank = this_rank()
-    device = device or next(model.parameters()).device
+    device = device or compute_device(model)
     model.train()
     losses = []
     for step in range(steps):
         input_ids, labels = task.batch(batch_size, seed=seed + 100_003 * rank + step, seq_len=seq_len)
         batch = {"input_ids": input_ids.to(device), "labels": labels.to(device)}
-        losses.append(train_step(model, optimizer, batch).item())
+        losses.append(train_step(model, optimizer, batch, scaler=scaler).item())
         if log_every and rank == 0 and (step % log_every == 0 or step == steps - 1):
-            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+            scale = f"  loss scale {scaler.get_scale():g}" if scaler is not None else ""
+            print(f"step {step:4d}  loss {losses[-1]:.4f}{scale}", flush=True)
     return losses
+
+
+def compute_device(model) -> torch.device:
+    """Where `model` computes, so where its inputs go. A sharded model's parameters are DTensors on its mesh,
+    and the mesh's device is where FSDP2 gathers them, even when CPUOffloadPolicy keeps the shards (and so
+    `next(model.parameters()).device`) on the host; a plain model computes where its parameters are."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None and mesh.device_type != "cpu":
+        return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    return param.device
 
 
 class _one_thread:
@@ -159,10 +174,10 @@ def greedy_answer(model, tokenizer: CharTokenizer, text: str, max_new_tokens: in
 @torch.no_grad()
 def _greedy(model, tokenizer, text, max_new_tokens):
     model.eval()
-    ids = torch.tensor([tokenizer.prompt(text)], device=next(model.parameters()).device)
+    ids = torch.tensor([tokenizer.prompt(text)], device=compute_device(model))
     for _ in range(max_new_tokens or len(text) + 1):
         next_id = model(input_ids=ids).logits[0, -1].argmax()
-        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        ids = torch.cat([ids, next_id.view(1, 1).to(ids.device)], dim=1)
         if int(next_id) == tokenizer.EOS:
             break
     return tokenizer.decode(ids[0, len(text) + 2:])
@@ -237,7 +252,7 @@ def parse_args(argv=None):
     import argparse
 
     from ..models import MODELS
-    from ..settings import PRECISIONS
+    from ..settings import AUTO_PRECISION, PRECISIONS
 
     p = argparse.ArgumentParser(
         prog="python -m fsdplab.recipes.lora",
@@ -260,7 +275,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--precision", default=AUTO_PRECISION, choices=(AUTO_PRECISION,) + PRECISIONS,
+                   help="compute dtype; auto: bf16 on GPUs with native bf16 (compute capability 8.0 on) and on "
+                        "CPU ranks, else fp16 with a loss scaler (T4, V100); fp16 always trains with one")
     p.add_argument("--model-dtype", default=None, choices=PRECISIONS,
                    help="storage dtype of the frozen base (default fp32 = FSDP2's master copy)")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True)
@@ -285,8 +302,9 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ..precision import loss_scaler
     from ..runtime.hosts import gloo_interface_for_nodes
-    from ..settings import GIB, TrainSetting
+    from ..settings import AUTO_PRECISION, GIB, TrainSetting, resolve_precision
     from ..sharding import build_sharded, make_optimizer
 
     args = parse_args(argv)
@@ -297,15 +315,22 @@ def main(argv=None) -> dict:
     # is this node's LOCAL_RANK-th (RANK counts across nodes).
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    elif interface := gloo_interface_for_nodes():
+    if interface := gloo_interface_for_nodes():
         os.environ["GLOO_SOCKET_IFNAME"] = interface
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"{socket.gethostname()} resolves to a loopback address, which the other nodes cannot reach: "
                   f"gloo uses {interface} (set GLOO_SOCKET_IFNAME to choose another)", flush=True)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # On GPUs, gloo too for collectives on CPU tensors: under --cpu-offload the gradient shards live on the host,
+    # and the loss scaler's found-inf all-reduce over them would find no NCCL kernel for the CPU.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world_size,))
+    precision = resolve_precision(args.precision, device)
+    if rank == 0 and args.precision == AUTO_PRECISION:
+        why = ("GPU without native bf16: fp16 with a loss scaler" if precision == "fp16"
+               else "native bf16" if use_cuda else "CPU ranks")
+        print(f"precision auto: {precision} ({why})", flush=True)
 
     try:
         task = StringTask(args.task)
@@ -319,7 +344,7 @@ def main(argv=None) -> dict:
             print(f"{args.model_path or args.model}: the string task's character ids are used as token ids "
                   "(enough to measure memory and speed; bring your own data for a real fine-tune).", flush=True)
         # One setting for the run: the same object `fsdplab.memory.estimate` takes, so the estimate matches.
-        setting = TrainSetting(model=model, world_size=world_size, precision=args.precision, lora_rank=args.lora_rank,
+        setting = TrainSetting(model=model, world_size=world_size, precision=precision, lora_rank=args.lora_rank,
                                lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                                seq_len=args.seq_len or task.seq_len, batch_size=args.batch_size,
                                base_dtype=args.model_dtype or "fp32",
@@ -328,11 +353,13 @@ def main(argv=None) -> dict:
         model = build_sharded(setting, mesh, model_path=args.model_path, device=device, seed=args.seed,
                               trust_remote_code=args.trust_remote_code)
         optimizer = make_optimizer(model, "adamw", lr=args.lr)
+        # FSDP2's gradients are DTensors, so a plain GradScaler's inf check already agrees across ranks.
+        scaler = loss_scaler(precision, device)
         if use_cuda:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         losses = train_steps(model, optimizer, task, args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                             seed=args.seed, log_every=args.log_every, device=device)
+                             seed=args.seed, log_every=args.log_every, device=device, scaler=scaler)
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / GIB if use_cuda else None
         peaks = [None] * world_size
