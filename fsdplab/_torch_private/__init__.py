@@ -52,9 +52,31 @@ class PrivateAPIError(RuntimeError):
     """A private torch API the lab uses is gone or changed in the installed torch."""
 
 
-_ADVICE = ("fsdplab is tested with torch 2.13.0 and supports torch >= 2.6: install a version in that range "
-           "(pip install torch==2.13.0), or report the change so the shim in fsdplab/_torch_private/ can "
-           "follow it.")
+# The torch releases fsdplab is tested on (each shim below follows what changed between them), and the oldest it
+# supports: pyproject's floor. Older releases lack what the lab's lessons use (see `torch_too_old`).
+TESTED_TORCH = ("2.10", "2.11", "2.13")
+OLDEST_TORCH = (2, 10)
+_ADVICE = ("fsdplab is tested with torch 2.10, 2.11 and 2.13 and supports torch >= 2.10 (older releases are "
+           "not supported): install one of those (pip install torch==2.13.0), or report the change so the shim "
+           "in fsdplab/_torch_private/ can follow it.")
+
+
+def torch_version() -> tuple:
+    """(major, minor) of the installed torch: '2.11.0+cu130' -> (2, 11)."""
+    import torch
+
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def advice() -> str:
+    """What to do about a changed private API: on a torch below the floor, upgrade; else the tested range."""
+    import torch
+
+    if torch_version() >= OLDEST_TORCH:
+        return _ADVICE
+    return (f"torch {torch.__version__} is older than 2.10, the oldest release fsdplab supports (tested with 2.10, "
+            "2.11 and 2.13; older ones are not): pip install 'torch>=2.10'.")
 
 
 def _problem(what: str, error) -> str:
@@ -65,7 +87,7 @@ def _missing(what: str, error) -> PrivateAPIError:
     import torch
 
     return PrivateAPIError(f"torch {torch.__version__} changed a private API fsdplab uses: "
-                           f"{_problem(what, error)}. {_ADVICE}")
+                           f"{_problem(what, error)}. {advice()}")
 
 
 def check_private_apis() -> None:
@@ -100,17 +122,18 @@ def check_private_apis() -> None:
         try:
             shim()
         except PrivateAPIError as e:
-            problems.append(e.args[0].split(" uses: ", 1)[1].removesuffix(" " + _ADVICE))
+            problems.append(e.args[0].split(" uses: ", 1)[1].removesuffix(" " + advice()))
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: F401
     except ImportError as e:
         problems.append(f"torch.distributed.distributed_c10d._resolve_process_group: {e}")
     problems += _estimator_private_api_problems()
+    problems += _tracker_entry_problems()
     if problems:
         import torch
 
         raise PrivateAPIError(f"torch {torch.__version__} changed private APIs fsdplab uses:\n  "
-                              + "\n  ".join(problems) + "\n" + _ADVICE)
+                              + "\n  ".join(problems) + "\n" + advice())
 
 
 def _estimator_private_api_problems() -> list:
@@ -119,7 +142,7 @@ def _estimator_private_api_problems() -> list:
     try:
         fake_device_query()
     except PrivateAPIError as e:
-        problems.append(e.args[0].split(" uses: ", 1)[1].removesuffix(" " + _ADVICE))
+        problems.append(e.args[0].split(" uses: ", 1)[1].removesuffix(" " + advice()))
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
         from torch.distributed.fsdp import FSDPModule
@@ -128,13 +151,47 @@ def _estimator_private_api_problems() -> list:
         from torch.distributed.tensor import DTensor
 
         for cls, attr in ((DTensor, "_local_tensor"), (FSDPModule, "_get_fsdp_state"), (FSDPState, "_lazy_init"),
-                          (FSDPState, "_fsdp_param_group"), (FSDPParam, "unsharded_param"),
+                          (FSDPParam, "unsharded_param"),
                           (MemTracker, "_update_and_maybe_create_winfos")):
             if not hasattr(cls, attr):
                 problems.append(f"{cls.__name__}.{attr} is gone")
+        if not {"_fsdp_param_groups", "_fsdp_param_group"} & set(vars(FSDPState())):
+            problems.append("FSDPState has neither _fsdp_param_groups (torch 2.13) nor _fsdp_param_group (2.10-2.11)")
     except ImportError as e:
         problems.append(f"FSDP2 / DTensor internals: {e}")
     return problems
+
+
+def fsdp_param_groups(module) -> list:
+    """The FSDP2 units (FSDPParamGroup) of one `fully_shard`-ed module: a list in torch 2.13
+    (`_fsdp_param_groups`, a module may hold several), one or None before (`_fsdp_param_group`)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if "_fsdp_param_group" not in vars(state):
+        raise _missing("FSDPState._fsdp_param_groups / _fsdp_param_group", "neither is set")
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+def _tracker_entry_problems() -> list:
+    """Enter torch's MemTracker once, as fsdplab's tracker does, and check what it reads there."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        with MemTracker() as tracker:
+            tracker_skips_other_fake_modes(tracker)
+            for attr in ("_depth", "_mod_tracker"):
+                if not hasattr(tracker, attr):
+                    return [f"MemTracker.{attr} is gone"]
+            for attr in ("_user_pre_fw_hook", "_user_pre_bw_hook", "parents", "is_bw", "get_known_fqn"):
+                if not hasattr(tracker._mod_tracker, attr):
+                    return [f"ModTracker.{attr} is gone"]
+    except PrivateAPIError as e:
+        return [e.args[0].split(" uses: ", 1)[1].removesuffix(" " + advice())]
+    except ImportError as e:
+        return [f"torch.distributed._tools.mem_tracker.MemTracker: {e}"]
+    return []
 
 
 # --- the byte counter: FSDP2 units, forward vs backward, group names -----------------------------------------
@@ -274,6 +331,17 @@ def fsdp1_default_state_dict_type() -> str:
 
 
 # --- the memory estimator ------------------------------------------------------------------------------------
+
+def tracker_skips_other_fake_modes(tracker) -> bool:
+    """Whether torch's MemTracker / FSDPMemTracker, once entered (`tracker`), leaves untracked the ops run under
+    a fake mode other than the one active on its entry: DTensor's sharding propagation, whose fake tensors are
+    no memory of the step. torch 2.13 does (it keeps that mode in `_fake_mode_on_entry`); 2.10 and 2.11 track
+    every op, and fsdplab's tracker then skips those ops itself (tracker._PeakTracker._untracked)."""
+    skips = "_fake_mode_on_entry" in vars(tracker)
+    if not skips and torch_version() >= (2, 13):
+        raise _missing("MemTracker._fake_mode_on_entry", "not set on entering the tracker, as torch 2.13 does")
+    return skips
+
 
 class _DeviceQuery(NamedTuple):
     op: object                  # torch.ops.prim.device.default

@@ -5,7 +5,8 @@ that `fsdplab.allocator` replays. Its shortcuts on fake tensors change no byte i
 
 from __future__ import annotations
 
-from . import CATEGORIES, OFFLOADED, TRACKER_TO_CATEGORY, _missing, fake_device_query
+from . import (CATEGORIES, OFFLOADED, TRACKER_TO_CATEGORY, _missing, fake_device_query, fsdp_param_groups,
+               tracker_skips_other_fake_modes)
 
 
 def _category_totals(snapshot: dict, skip=()) -> dict:
@@ -99,8 +100,13 @@ class _PeakTracker:
     _entered: dict = {}
 
     def __enter__(self):
+        if self._depth == 0:
+            # The fake mode active on entry (None on real tensors): ops run under another one are DTensor's
+            # sharding propagation, whose tensors are no memory of the step (see __torch_dispatch__).
+            self._entry_fake_mode = self._device_query.active_fake_mode()
         result = super().__enter__()
         if self._depth == 1:
+            self._base_skips_other_fake_modes = tracker_skips_other_fake_modes(self)
             self._note_module_entries()
         return result
 
@@ -267,6 +273,8 @@ class _PeakTracker:
             self._catch_up_peaks()
             self.skipped_kernels += 1
             return None
+        if not self._base_skips_other_fake_modes and query.active_fake_mode() is not self._entry_fake_mode:
+            return self._untracked(func, types, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.events is not None and isinstance(out, (list, tuple)) and args and isinstance(args[0], (list, tuple)) \
                 and func.__name__.startswith("_foreach_"):
@@ -277,8 +285,25 @@ class _PeakTracker:
         """For an op answered here, not passed to the base class: look for peaks where the base class would
         find something new (bytes moved since the last op, outside DTensor's sharding propagation)."""
         if self._snap_seen != self._snap_changes and \
-                self._device_query.active_fake_mode() is self._fake_mode_on_entry:
+                self._device_query.active_fake_mode() is self._entry_fake_mode:
             self._update_peak_stats(None)
+
+    # torch 2.13's trackers run an op under a fake mode other than the one active on entry (DTensor's sharding
+    # propagation) without tracking it; torch 2.10-2.12's tracked it, counting the propagation's fake tensors
+    # as activations and looking for peaks among them. Where the base class does not skip them, skip them
+    # here as 2.13 does, so that every supported torch reports the same bytes.
+    _base_skips_other_fake_modes, _entry_fake_mode = True, None
+
+    def _untracked(self, func, types, args, kwargs):
+        """What torch 2.13's MemTracker.__torch_dispatch__ does for an op it does not track."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented           # DTensor desugars into local ops first, as in the base class
+        if func is torch.ops._c10d_functional.wait_tensor.default and self._device_query.active_fake_mode():
+            return args[0]                  # the base class's override of wait_tensor's meta kernel
+        return func(*args, **(kwargs or {}))
 
     skip_inplace_foreach, skipped_kernels = True, 0
     _inplace_foreach_ops: dict = {}
@@ -330,15 +355,16 @@ class _PeakTracker:
 
             model._get_fsdp_state()._lazy_init()
             for module in model.modules():
-                if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group):
+                groups = fsdp_param_groups(module) if isinstance(module, FSDPModule) else []
+                if groups:
                     module.unshard()
-                    for fsdp_param in group.fsdp_params:
+                    for fsdp_param in (p for group in groups for p in group.fsdp_params):
                         self._update_and_maybe_create_winfos(fsdp_param.unsharded_param,
                                                              _FSDPRefType.UNSHARDED_PARAM)
                     module.reshard()
         except AttributeError as e:
-            raise _missing("FSDP2 internals (FSDPModule._get_fsdp_state, FSDPState._lazy_init / "
-                           "_fsdp_param_group, FSDPParamGroup.fsdp_params, FSDPParam.unsharded_param) or "
+            raise _missing("FSDP2 internals (FSDPModule._get_fsdp_state, FSDPState._lazy_init, "
+                           "FSDPParamGroup.fsdp_params, FSDPParam.unsharded_param) or "
                            "MemTracker._update_and_maybe_create_winfos", e) from None
         return True
 
