@@ -14,6 +14,11 @@ import time
 import pytest
 
 import fsdplab
+from fsdplab.runtime.processes import BACKEND_ENV
+
+# The suite tests the CPU lab: its clusters (backend "auto", like most Cluster(n) here) must be gloo clusters on a
+# machine with GPUs too, where "auto" would pick nccl. tests/gpu/conftest.py takes this out for the GPU checks.
+os.environ[BACKEND_ENV] = "gloo"
 
 # The interrupt tests need SIGINT handled, as a Jupyter kernel handles it. A shell's background job
 # (`bash .ci/run &`) starts with SIGINT ignored, which Python keeps, and `_thread.interrupt_main()` then does

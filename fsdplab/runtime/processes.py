@@ -56,11 +56,31 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# What backend="auto" means in this process: auto (nccl when there is one GPU per rank, else gloo), gloo or nccl.
+# It lets a whole run choose without editing code: `fsdplab run --backend gloo` sets it, so lessons run on CPU
+# ranks on a GPU machine, and the CPU test suite sets it to gloo so that it runs the same on a machine with GPUs.
+BACKEND_ENV = "FSDPLAB_BACKEND"
+
+
+def requested_backend(backend: str = "auto") -> str:
+    """`backend`, or for "auto" what FSDPLAB_BACKEND asks for ("auto" when unset); ValueError with the fix for a
+    bad name in either."""
+    check_backend(backend)
+    if backend != "auto":
+        return backend
+    wanted = os.environ.get(BACKEND_ENV, "").strip() or "auto"
+    if wanted not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r} is not a backend: set it to auto, gloo or "
+                         f"nccl (or unset it), or pass backend='gloo' or 'nccl' to fsdplab.Cluster.")
+    return wanted
+
+
 def choose_backend(world_size: int, backend: str = "auto") -> str:
-    """nccl when there is one GPU per rank, else gloo; raises ValueError with the fix for bad input."""
+    """nccl when there is one GPU per rank, else gloo (backend="auto" follows FSDPLAB_BACKEND when it is set);
+    raises ValueError with the fix for bad input."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}.")
-    check_backend(backend)
+    backend = requested_backend(backend)
     if backend == "gloo":
         return "gloo"
     gpus = gpu_count()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fsdplab
+from fsdplab.runtime.processes import BACKEND_ENV
 
 RECORD_ENV = "FSDPLAB_GPU_RECORD"   # JSON file the measurements go to ({test: {name: value}}); set by gpu_run.py
 OUT_ENV = "FSDPLAB_GPU_OUT"         # folder for what a test produces (executed lessons); set by gpu_run.py
@@ -36,8 +37,19 @@ def cuda():
     return torch.device("cuda", 0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def auto_backend():
+    """tests/conftest.py keeps the CPU suite on gloo (FSDPLAB_BACKEND); the GPU checks are about what "auto" picks
+    on a GPU machine, so here it is unset (and set back after each file: the CPU tests of a run over all of tests/
+    stay on gloo). Clusters and lesson runs started here inherit the environment without it."""
+    saved = os.environ.pop(BACKEND_ENV, None)
+    yield
+    if saved is not None:
+        os.environ[BACKEND_ENV] = saved
+
+
 @pytest.fixture(scope="module")
-def gpu_cluster():
+def gpu_cluster(auto_backend):
     """One rank on GPU 0, for the whole file: backend "auto" must pick nccl when every rank has a GPU."""
     with fsdplab.Cluster(1) as cluster:
         assert cluster.backend == "nccl", f"Cluster(1) chose {cluster.backend} although a GPU is visible"

@@ -141,11 +141,11 @@ class HostsPlan:
 def hosts_plan(kind: str, world_size: int, backend: str, hosts, args, args_name: str, remote_python=None,
                flavor=None, address=None) -> tuple:
     """(HostsPlan, backend) for Mpi and Ssh, every option checked; `flavor()` names the MPI, once the rest passed."""
-    from ..processes import check_backend, choose_backend
+    from ..processes import choose_backend, requested_backend
     from ..hosts import this_address
 
     choose_backend(world_size, "gloo")  # checks world_size
-    check_backend(backend)
+    backend = requested_backend(backend)
     hosts = check_hosts(kind, hosts, world_size)
     if args is not None and (isinstance(args, str) or not all(isinstance(a, str) for a in args)):
         raise ValueError(f"{args_name} is a list of strings, one per command-line word (e.g. ['-p', '2222']), "

@@ -246,13 +246,12 @@ class Slurm(RemoteLauncher):
     address: str | None = None
 
     def prepare(self, world_size: int, backend: str) -> tuple:
-        from ..processes import check_backend, choose_backend
+        from ..processes import choose_backend, requested_backend
 
         choose_backend(world_size, "gloo")  # checks world_size
-        check_backend(backend)
-        return options(world_size, backend, nodes=self.nodes or 1, gpus_per_node=self.gpus_per_node,
-                       partition=self.partition, time_limit=self.time_limit, sbatch_args=self.sbatch_args,
-                       slurm_conf=self.slurm_conf, address=self.address)
+        return options(world_size, requested_backend(backend), nodes=self.nodes or 1,
+                       gpus_per_node=self.gpus_per_node, partition=self.partition, time_limit=self.time_limit,
+                       sbatch_args=self.sbatch_args, slurm_conf=self.slurm_conf, address=self.address)
 
     def threads(self, plan, world_size: int, backend: str) -> int:
         return plan.cpus_per_task if backend == "gloo" else 4   # a Slurm task gets one CPU unless asked for more
