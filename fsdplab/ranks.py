@@ -32,7 +32,8 @@ def world_size() -> int:
 
 
 def device():
-    """`torch.device` this rank computes on: cuda:LOCAL_RANK under nccl, cpu under gloo."""
+    """`torch.device` this rank computes on: its GPU under nccl (cuda:LOCAL_RANK; cuda:0 where each rank sees
+    only its own GPU), cpu under gloo."""
     import torch
 
     return torch.device(_require_rank("device")["device"])
@@ -44,12 +45,13 @@ def mesh():
 
 
 def backend() -> str:
-    """'nccl' or 'gloo'."""
+    """'nccl' or 'gloo': the cluster's backend. (An nccl cluster's group also serves CPU tensors, with gloo:
+    torch.distributed.get_backend() says 'cpu:gloo,cuda:nccl'.)"""
     return _require_rank("backend")["backend"]
 
 
 def local_rank() -> int:
-    """This rank's index on its node (its GPU under nccl)."""
+    """This rank's index on its node (under nccl its GPU is this modulo the GPUs it sees)."""
     return _require_rank("local_rank")["local_rank"]
 
 

@@ -107,7 +107,7 @@ def trace_step(step_fn, modules: dict | None = None, warmup: int = 1) -> dict:
     for _ in range(warmup):
         step_fn()
     activities = [ProfilerActivity.CPU]
-    on_gpu = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    on_gpu = torch.cuda.is_available() and dist.is_initialized() and "nccl" in dist.get_backend()  # cpu:gloo,cuda:nccl
     if on_gpu:
         activities.append(ProfilerActivity.CUDA)
         torch.cuda.synchronize()

@@ -430,14 +430,14 @@ class Cluster:
         return f"<ranks source {self._sources}" + (f" from Cell In[{cell}]" if cell is not None else "") + ">"
 
     def pull(self, name: str, ranks=None, timeout: float | None = None) -> list:
-        """The value of variable `name` in each rank's namespace, in rank order."""
+        """The value of variable `name` in each rank's namespace, in rank order (tensors on the CPU)."""
         __tracebackhide__ = True  # noqa: F841
+        from . import on_rank
+
         check_timeout(timeout)
         with self._lock:
-            group = self._group
-            selected = call.select(group, ranks)
-            results = {r: group.client[group.engine_ids[r]].pull(name, block=False) for r in selected}
-            return self._wait(results, timeout, quiet=True)
+            selected = call.select(self._group, ranks)
+            return self._wait(self._send(selected, on_rank.pull, name), timeout, quiet=True)
 
     def push(self, ranks=None, timeout: float | None = None, **values) -> None:
         """Set variables in each rank's namespace."""

@@ -56,6 +56,55 @@ def open_store(*, world_size: int, timeout_s: float, host: str = "127.0.0.1") ->
     return port
 
 
+# Which torch backend serves each device type in the group a cluster's backend names. NCCL only moves CUDA
+# tensors: a group made with init_process_group("nccl") refuses every collective on a CPU tensor ("No backend
+# type associated with device type cpu"), and lessons and planted faults run collectives on CPU tensors on any
+# backend. So an nccl cluster's group serves CPU tensors with gloo too; fsdplab.backend() still says 'nccl'.
+DEVICE_BACKENDS = {"nccl": {"cpu": "gloo", "cuda": "nccl"}, "gloo": {"cpu": "gloo"}}
+
+
+def group_backend(backend: str, device_backends: dict | None = None) -> str:
+    """What init_process_group gets for a cluster's `backend`: 'gloo', or 'cpu:gloo,cuda:nccl' for nccl."""
+    served = (device_backends or DEVICE_BACKENDS)[backend]
+    if list(served) == ["cpu"]:
+        return served["cpu"]   # one backend for the CPU: its plain name, as torch reports it back
+    return ",".join(f"{device}:{name}" for device, name in served.items())
+
+
+def rank_device(backend: str, local_rank: int):
+    """The torch.device this rank computes on, made current: its GPU under nccl, else the CPU.
+
+    The GPU is local_rank modulo the GPUs this process sees: all of the node's GPUs on one machine (rank r on
+    cuda:r), or only its own where the launcher binds one GPU per task (Slurm's --gpus-per-task or --gpu-bind,
+    a CUDA_VISIBLE_DEVICES per rank), where each rank then computes on cuda:0."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible < 1:
+        raise RuntimeError(f"backend 'nccl', but local rank {local_rank} sees no GPU (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): give each rank a GPU, or use "
+                           "backend='gloo'.")
+    device = torch.device("cuda", local_rank % visible)
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_group(backend: str, *, rank: int, world_size: int, timeout, store=None, device=None,
+               device_backends: dict | None = None) -> None:
+    """init_process_group for a cluster's `backend` (see DEVICE_BACKENDS), with `store` when given (else
+    MASTER_ADDR/MASTER_PORT). A GPU `device` is passed as device_id: NCCL then binds its communicator to it at
+    once, instead of guessing the device (with a warning) at each barrier."""
+    import torch.distributed as dist
+
+    extra = {"store": store} if store is not None else {}
+    if device is not None and device.type != "cpu":
+        extra["device_id"] = device
+    dist.init_process_group(group_backend(backend, device_backends), rank=rank, world_size=world_size,
+                            timeout=timeout, **extra)
+
+
 def setup(*, rank: int, world_size: int, master_port: int, backend: str, collective_timeout_s: float,
           num_threads: int, stack_file: str | None, sys_path: list | None = None, ask_file: str | None = None,
           master_addr: str = "127.0.0.1", local_rank: int | None = None, local_world_size: int | None = None,
@@ -98,19 +147,13 @@ def setup(*, rank: int, world_size: int, master_port: int, backend: str, collect
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(num_threads)
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device_name, device_type = f"cuda:{local_rank}", "cuda"
-    else:
-        device_name, device_type = "cpu", "cpu"
+    device = rank_device(backend, local_rank)
+    device_name, device_type = str(device), device.type
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     store = STATE.pop("store", None)
     if store is None and rank != 0:
         store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
-    if store is not None:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    init_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store, device=device)
     STATE.update(
         rank=rank, world_size=world_size, backend=backend, device=device_name,
         mesh=init_device_mesh(device_type, (world_size,)), stack_out=stack_out,
@@ -177,11 +220,12 @@ def call(fn, args: tuple, kwargs: dict, origins: dict | None = None):
     `origins`: the filenames the kernel compiled the shipped code under (fsdplab.runtime.shipped_code), put back
     before the call so that tracebacks and hang stacks name the notebook's cells."""
     from . import shipped_code
+    from .host_copy import to_host
 
     _running(getattr(fn, "__qualname__", repr(fn)))
     try:
         shipped_code.restore(origins, fn, args, kwargs)
-        return fn(*args, **kwargs)
+        return to_host(fn(*args, **kwargs))   # GPU tensors come back to the kernel on the CPU
     except BaseException as exc:  # noqa: BLE001 - the rank must live on and report it
         return Failure.of(exc)
     finally:
@@ -196,6 +240,22 @@ def push(values: dict, origins: dict | None = None) -> None:
 
     shipped_code.restore(origins, values)
     get_ipython().user_ns.update(values)
+
+
+def pull(name: str):
+    """The value of variable `name` in this rank's namespace (what %%ranks cells set), its tensors on the CPU."""
+    from IPython import get_ipython
+
+    from .host_copy import to_host
+
+    namespace = get_ipython().user_ns
+    try:
+        if name not in namespace:
+            raise NameError(f"name {name!r} is not defined on this rank: set it in a %%ranks cell or with "
+                            "cluster.push(...) first.")
+        return to_host(namespace[name])
+    except BaseException as exc:  # noqa: BLE001 - the rank must live on and report it
+        return Failure.of(exc)
 
 
 def _blank_head(text: str) -> int:
