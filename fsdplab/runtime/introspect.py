@@ -3,8 +3,8 @@
 Each rank runs a small answering thread (started by fsdplab.runtime.on_rank.setup). The kernel writes a request to
 the rank's ask file (a named pipe), or, for a rank on another machine, sends it over TCP with the
 cluster's token (no shared filesystem); the thread answers with a snapshot: the Python frames of the rank's
-main thread, the last collectives from torch's flight recorder (TORCH_FR_BUFFER_SIZE, which records op,
-sequence number, group, shapes and dtypes on gloo and nccl), what call is running, and memory in use.
+main thread, the last collectives from torch's flight recorders (TORCH_FR_BUFFER_SIZE; they record op,
+sequence number, group, shapes and dtypes: one for gloo, one for nccl), what call is running, and memory in use.
 A thread can answer while the main thread is blocked inside a collective: the wait runs in C++ with
 the GIL released.
 """
@@ -118,14 +118,67 @@ def snapshot() -> dict:
             "running_s": time.time() - now[1] if now else None, "pid": os.getpid(), **_memory()}
 
 
+# torch keeps two flight recorders: the generic one (gloo, CPU tensors) and ProcessGroupNCCL's own, which records
+# every NCCL collective and exists only in a CUDA build. An nccl cluster's group runs collectives on both (gloo
+# for CPU tensors, NCCL for CUDA ones), so a rank's record is the two merged. Pickled dumps (what torch's
+# analyzer reads) by name, then JSON ones.
+_PICKLED_RECORDERS = ("_dump_fr_trace", "_dump_nccl_trace")
+_JSON_RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+# The pickled dumps' arguments: collectives, no C++ stack traces (the ranks record none, TORCH_INCLUDE_STACK_TRACE=0,
+# yet the first dump that includes them spent 5-8 s on setting up symbolization, longer than the kernel waits),
+# every entry, not only active ones.
+_PICKLED_ARGS = (True, False, False)
+
+
+def _recorder_dumps(names: tuple, load, args: tuple = ()) -> list:
+    """Each flight recorder's dump that this torch has and that answers, read with `load`."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except Exception:  # noqa: BLE001 - torch without distributed
+        return []
+    dumps = []
+    for name in names:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            try:
+                raw = dump(*args)
+            except TypeError:   # a torch whose dump takes other arguments: its defaults
+                raw = dump()
+            dumps.append(load(raw))
+        except Exception:  # noqa: BLE001 - a recorder that cannot dump (no group of its kind yet) adds nothing
+            continue
+    return dumps
+
+
+def merged_dump(dumps: list) -> dict:
+    """One dump from several recorders' dumps: entries of all, in the order they were created; the groups of all;
+    the rest (version, nccl_version, ...) from the first dump that has it."""
+    merged = {}
+    for dump in dumps:
+        for key, value in dump.items():
+            if key == "entries":
+                merged.setdefault("entries", []).extend(value or [])
+            elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**value, **merged[key]}
+            else:
+                merged.setdefault(key, value)
+    if len(dumps) > 1:
+        merged["entries"] = sorted(merged.get("entries") or [], key=lambda e: e.get("time_created_ns") or 0)
+    return merged
+
+
 def flight_recorder_dump() -> dict:
-    """This rank's flight recorder as torch dumps it (the pickle that torch's analyzer, `torchfrtrace`, reads),
-    base64-encoded for the answer's JSON."""
+    """This rank's flight recorders, merged, as torch dumps them (the pickle that torch's analyzer, `torchfrtrace`,
+    reads), base64-encoded for the answer's JSON."""
     import base64
+    import pickle
 
-    from torch._C import _distributed_c10d as c10d
-
-    return {"fr_dump": base64.b64encode(c10d._dump_fr_trace()).decode()}
+    dumps = _recorder_dumps(_PICKLED_RECORDERS, pickle.loads, _PICKLED_ARGS)
+    if not dumps:
+        raise RuntimeError("this torch has no flight recorder to dump")
+    return {"fr_dump": base64.b64encode(pickle.dumps(merged_dump(dumps))).decode()}
 
 
 def _memory() -> dict:
@@ -134,18 +187,20 @@ def _memory() -> dict:
     out = {"rss": psutil.Process().memory_info().rss}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        out.update(cuda_allocated=torch.cuda.memory_allocated(), cuda_reserved=torch.cuda.memory_reserved())
+        # This thread never set a device, so its current one is GPU 0: name the rank's own.
+        device = _RANK_STATE.get("device") or ""
+        device = device if device.startswith("cuda") else None
+        out.update(cuda_allocated=torch.cuda.memory_allocated(device),
+                   cuda_reserved=torch.cuda.memory_reserved(device))
     return out
 
 
 def _recent_collectives() -> list:
-    """The flight recorder's last entries, trimmed to what the explanation needs (empty if unavailable)."""
-    try:
-        from torch._C import _distributed_c10d as c10d
-
-        dump = json.loads(c10d._dump_fr_trace_json())
-    except Exception:  # noqa: BLE001 - an older torch, or no recorder: fall back to stacks alone
+    """The flight recorders' last entries, trimmed to what the explanation needs (empty if unavailable)."""
+    dumps = _recorder_dumps(_JSON_RECORDERS, json.loads)
+    if not dumps:  # an older torch, or no recorder: fall back to stacks alone
         return []
+    dump = merged_dump(dumps)
     groups = {}
     for key, config in (dump.get("pg_config") or {}).items():
         ranks = config.get("ranks", "[]")
