@@ -44,6 +44,13 @@ _GROUPS_SCRIPT = textwrap.dedent("""
     on_rank.init_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30),
                        store=dist.HashStore(), device=torch.device("cpu"), device_backends=stand_in)
     out["nccl_group"] = {"backend": str(dist.get_backend()), **all_reduce_cpu()}
+    # A DTensor in a rank's result goes to the kernel as its local part (a plain tensor, no mesh with it).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from fsdplab.runtime.host_copy import to_host
+
+    sent = to_host({"w": distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])})
+    out["dtensor"] = {"type": type(sent["w"]).__name__, "values": sent["w"].tolist()}
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out))
 """)
@@ -66,6 +73,10 @@ def test_the_group_started_for_nccl_serves_cpu_tensors(groups):
     assert groups["nccl_group"].get("error") is None, groups["nccl_group"]
     assert groups["nccl_group"]["ok"] == [1.0, 1.0]
     assert groups["nccl_group"]["backend"] == "cpu:gloo,cuda:gloo"   # the cuda side is there too
+
+
+def test_a_dtensor_is_sent_as_its_local_part(groups):
+    assert groups["dtensor"] == {"type": "Tensor", "values": [0.0, 1.0, 2.0, 3.0]}
 
 
 def test_the_backend_strings():
