@@ -116,3 +116,26 @@ def test_estimates_that_failed_fail_again_when_asked_twice(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="failed earlier") as second:
         pending.result()
     assert second.value.__cause__ is first.value
+
+
+def test_the_miniatures_gap_bound_is_per_device_and_the_notebook_uses_it():
+    """The estimate is traced through CPU SDPA: on CPU ranks the bound stays 2%; on GPU ranks the CUDA kernels keep
+    other auxiliaries for backward, and the bound says so; a backend the lab does not run is a ValueError."""
+    import nbformat
+
+    assert Q.mini_gap_bound("gloo") == 0.02
+    assert Q.mini_gap_bound("nccl") > Q.mini_gap_bound("gloo")
+    with pytest.raises(ValueError):
+        Q.mini_gap_bound("mpi")
+    source = "\n".join(c.source for c in nbformat.read(NOTEBOOK, 4).cells if c.cell_type == "code")
+    assert "Q.mini_gap_bound(cluster.backend)" in source and "mini_gap < mini_gap_bound" in source
+    assert "mini_gap < 0.02" not in source
+
+
+def test_the_lesson_shows_what_an_h200_measured_of_its_model():
+    from fsdplab import gpu_measured
+
+    rows = Q.h200_rows()
+    assert rows and all(r.model == "qwen-7b" and not r.not_comparable for r in rows)
+    text = gpu_measured.table(rows)
+    assert all(r.case in text for r in rows) and "torch 2.11.0+cu130" in gpu_measured.summary()
