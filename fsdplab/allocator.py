@@ -26,7 +26,6 @@ import bisect
 import itertools
 import math
 
-from .gpu_measured import OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1, OUTSIDE_ALLOCATOR_FSDP_WS1
 
 MIN_BLOCK = 512                    # kMinBlockSize
 SMALL_SIZE = 1 << 20               # kSmallSize: the largest small-pool request
@@ -263,6 +262,9 @@ def replay(events, preloaded: int = 0, expandable_segments: bool = False, snapsh
 #   size 1. At world size 2 and more it holds buffers per channel and peer (NCCL_BUFFSIZE = 4 MiB for the Simple
 #   protocol, plus LL and LL128): NCCL_BYTES is an assumption there, never measured (NVLS buffers on NVSwitch
 #   systems can take more).
+# The two figures of that run (fsdplab.gpu_measured keeps them with the rest of its rows).
+OUTSIDE_ALLOCATOR_FSDP_WS1 = 877461504
+OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1 = 1389166592
 CUDA_CONTEXT_BYTES = OUTSIDE_ALLOCATOR_FSDP_WS1
 NCCL_ONE_RANK_BYTES = OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1 - OUTSIDE_ALLOCATOR_FSDP_WS1
 NCCL_BYTES = 512 << 20

@@ -32,9 +32,8 @@ ESTIMATED_WITH = ("`fsdplab estimate --world-size 1 --gpu-mem-gib 140 --json --a
 # 877,461,504 B (0.82 GiB) on every FSDP2 setting run before the first ddp one (881,655,808 B with the Llama
 # models); from the first ddp setting on, 1,389,166,592 B in the same process: 488 MiB more, which stayed.
 # FSDP2 issues no collective at world size 1 (it copies the shards in place of an all-gather); replicate()'s
-# first collective made NCCL's communicator. fsdplab.allocator takes both figures.
-OUTSIDE_ALLOCATOR_FSDP_WS1 = 877461504
-OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1 = 1389166592
+# first collective made NCCL's communicator. fsdplab.allocator holds both figures (it sits below this module).
+from .allocator import OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1, OUTSIDE_ALLOCATOR_FSDP_WS1  # noqa: E402
 
 
 def one_b():
