@@ -304,6 +304,7 @@ def main(argv=None) -> dict:
 
     from ..precision import loss_scaler
     from ..runtime.hosts import gloo_interface_for_nodes
+    from ..runtime.on_rank import rank_device
     from ..settings import AUTO_PRECISION, GIB, TrainSetting, resolve_precision
     from ..sharding import build_sharded, make_optimizer
 
@@ -312,19 +313,20 @@ def main(argv=None) -> dict:
     if args.cpu_offload and not use_cuda:
         raise ValueError("--cpu-offload needs GPUs (FSDP2's CPUOffloadPolicy moves shards between host and GPU).")
     # One visible block of distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*. The GPU
-    # is this node's LOCAL_RANK-th (RANK counts across nodes).
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # is this node's LOCAL_RANK-th (RANK counts across nodes), modulo the GPUs this process sees: where the
+    # launcher binds one GPU per task (Slurm's --gpus-per-task), each rank sees only its own, as cuda:0.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = rank_device("nccl" if use_cuda else "gloo", local_rank)
     if interface := gloo_interface_for_nodes():
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        if local_rank == 0:
             print(f"{socket.gethostname()} resolves to a loopback address, which the other nodes cannot reach: "
                   f"gloo uses {interface} (set GLOO_SOCKET_IFNAME to choose another)", flush=True)
     # On GPUs, gloo too for collectives on CPU tensors: under --cpu-offload the gradient shards live on the host,
     # and the loss scaler's found-inf all-reduce over them would find no NCCL kernel for the CPU.
-    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+    # device_id binds NCCL's communicator to this GPU at once (else torch guesses it, warning, at each barrier).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world_size,))
     precision = resolve_precision(args.precision, device)
     if rank == 0 and args.precision == AUTO_PRECISION:
