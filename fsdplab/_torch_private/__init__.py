@@ -13,9 +13,10 @@
 - Activation checkpointing uses torch's `checkpoint_wrapper` (torch.distributed.algorithms._checkpoint).
 - Lesson 05 reads FSDP1's default state-dict type from its source (`_init_utils._init_state_dict_state`).
 
-None of these are public APIs. `check_private_apis()` (run by tests/test_memory.py) fails loudly, naming
-what changed, when a torch upgrade moves one; each shim raises `PrivateAPIError` with the torch version
-and what to do, never silently doing less.
+None of these are public APIs. `check_private_apis()` (tests/test_layout.py, tests/test_torch_private.py;
+CI runs them under torch 2.13 and 2.11) fails loudly, naming what changed, when a torch upgrade moves one;
+each shim raises `PrivateAPIError` with the torch version and what to do, never silently doing less.
+Where torch 2.10, 2.11 and 2.13 differ, the shims follow each (feature detection, checked against the version).
 """
 
 from __future__ import annotations

@@ -100,9 +100,7 @@ class _PeakTracker:
     _entered: dict = {}
 
     def __enter__(self):
-        if self._depth == 0:
-            # The fake mode active on entry (None on real tensors): ops run under another one are DTensor's
-            # sharding propagation, whose tensors are no memory of the step (see __torch_dispatch__).
+        if self._depth == 0:    # ops under another fake mode than this one are DTensor's sharding propagation
             self._entry_fake_mode = self._device_query.active_fake_mode()
         result = super().__enter__()
         if self._depth == 1:
@@ -288,10 +286,9 @@ class _PeakTracker:
                 self._device_query.active_fake_mode() is self._entry_fake_mode:
             self._update_peak_stats(None)
 
-    # torch 2.13's trackers run an op under a fake mode other than the one active on entry (DTensor's sharding
-    # propagation) without tracking it; torch 2.10-2.12's tracked it, counting the propagation's fake tensors
-    # as activations and looking for peaks among them. Where the base class does not skip them, skip them
-    # here as 2.13 does, so that every supported torch reports the same bytes.
+    # torch 2.13's trackers leave untracked an op run under a fake mode other than the one active on entry
+    # (DTensor's sharding propagation); 2.10 and 2.11's tracked it, counting the propagation's fake tensors
+    # (on real tensors, 4x a small model's optimizer state). There fsdplab skips them as 2.13 does.
     _base_skips_other_fake_modes, _entry_fake_mode = True, None
 
     def _untracked(self, func, types, args, kwargs):
