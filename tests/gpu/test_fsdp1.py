@@ -63,7 +63,11 @@ def _posts_safe_save(path):
     model = _fsdp1_tiny()
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         if fsdplab.rank() == 0:
-            torch.save(model.state_dict(), path)
+            state = model.state_dict()
+            # NCCL queues the gather and returns: without the sync the wait came inside torch.save's copy to the
+            # host, after it had created the file, and the file check below would fail for a hang that happened.
+            torch.cuda.synchronize()
+            torch.save(state, path)
 
 
 def test_full_state_dict_save_reloads_bit_exact(gpu_cluster, record, tmp_path):
