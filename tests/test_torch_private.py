@@ -145,3 +145,28 @@ def test_the_floor_in_pyproject_is_the_oldest_release_tested():
     floor = re.search(r'"torch>=(\d+)\.(\d+)', pyproject)
     assert floor and (int(floor.group(1)), int(floor.group(2))) == _torch_private.OLDEST_TORCH
     assert _torch_private.TESTED_TORCH[0] == "%d.%d" % _torch_private.OLDEST_TORCH
+
+
+def test_replicate_on_torch_2_10_gets_a_named_mesh_of_the_same_group(monkeypatch):
+    # torch 2.10's replicate (DDP on FSDP2) asserts that the mesh has dimension names, even a 1-D one; 2.11
+    # does not. The lab's 1-D data-parallel mesh has none: the shim passes the same group, named.
+    from torch.distributed._composable import replicate_with_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    seen = []
+
+    def replicate_as_2_10(module, mesh=None, **kwargs):
+        if mesh.mesh_dim_names is None:
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
+        seen.append(mesh)
+        return module
+
+    monkeypatch.setattr(replicate_with_fsdp, "replicate", replicate_as_2_10)
+    monkeypatch.setattr(_torch_private, "torch_version", lambda: (2, 10), raising=False)
+    with _torch_private.fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        replicate = _torch_private.replicate_fn()
+        block = torch.nn.Linear(4, 4)
+        assert replicate(block, mesh=mesh) is block and replicate(block, mesh=mesh) is block
+        assert seen[0].mesh_dim_names == ("replicate",) and seen[0] is seen[1]     # one named mesh per mesh
+        assert seen[0].get_group() is mesh.get_group() and seen[0].mesh.tolist() == mesh.mesh.tolist()

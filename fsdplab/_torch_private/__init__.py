@@ -310,7 +310,28 @@ def replicate_fn():
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError as e:
         raise _missing("torch.distributed._composable.replicate_with_fsdp.replicate", e) from None
-    return replicate
+    if torch_version() >= (2, 11):
+        return replicate
+    import functools
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    named: dict = {}
+
+    # torch 2.10's replicate refuses a mesh without dimension names ("Please init the 2D mesh for HSDP with
+    # mesh_dim_names specified", even for 1-D); its own default mesh is named ("replicate",). The same ranks'
+    # group, named so (from_group makes no new process group).
+    @functools.wraps(replicate)
+    def replicate_on_named_mesh(module, *args, mesh=None, **kwargs):
+        if mesh is not None and mesh.ndim == 1 and mesh.mesh_dim_names is None:
+            key = id(mesh)
+            if key not in named or named[key][0] is not mesh:
+                named[key] = (mesh, DeviceMesh.from_group(mesh.get_group(), mesh.device_type,
+                                                         mesh_dim_names=("replicate",)))
+            mesh = named[key][1]
+        return replicate(module, *args, mesh=mesh, **kwargs)
+
+    return replicate_on_named_mesh
 
 
 # --- FSDP1 defaults --------------------------------------------------------------------------------------------
