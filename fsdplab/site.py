@@ -158,13 +158,21 @@ def _page(title: str, body: str) -> str:
             f'{_NO_ICON}<style>{_STYLE}</style></head><body>{nav}{body}</body></html>\n')
 
 
+def _heading_with_id(m) -> str:
+    """A heading with GitHub's anchor for it, so that links such as `troubleshooting.md#on-a-gpu-machine` work on
+    the site as they do on GitHub: the text lower-cased, punctuation dropped, spaces made hyphens."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", m.group(2)))
+    slug = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+    return f'<h{m.group(1)} id="{html.escape(slug)}">{m.group(2)}</h{m.group(1)}>'
+
+
 def _markdown(text: str, pages: set) -> str:
     """Markdown to HTML with mistune (nbconvert's own renderer); links to .md pages and lesson notebooks point
     at their pages on the site, and a link to a page the site does not have (a lesson this run did not execute,
     a file of the repository) becomes plain text."""
     import mistune
 
-    body = mistune.html(text)
+    body = re.sub(r"<h([1-6])>(.*?)</h\1>", _heading_with_id, mistune.html(text), flags=re.S)
     body = re.sub(r'href="(?:\.\./)?(?:docs/)?([\w-]+)\.md(#[^"]*)?"',
                   lambda m: f'href="{"readme" if m.group(1) == "README" else m.group(1)}.html{m.group(2) or ""}"', body)
     body = re.sub(r'href="(?:\.\./)?(?:notebooks/)?(\d\d_\w+)\.ipynb"', r'href="\1.html"', body)
