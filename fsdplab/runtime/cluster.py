@@ -27,6 +27,7 @@ memory allows, so restart() only has to join a group. Rank processes on this mac
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -134,8 +135,9 @@ class Cluster:
             group.on_broken = self._on_broken
             # The watcher first: a kernel killed at any moment of start-up leaves nothing behind.
             self._start_reaper()
+            stop = functools.partial(self.launcher.stop, self._plan, None, self._jobs)
             self._finalizer = weakref.finalize(self, cleanup, None, self._known_pids, self._reaper, group.workdir,
-                                               self._jobs, self.launcher.tool_env(self._plan))
+                                               stop)
             try:
                 self._start_processes()
                 self._join_group()
@@ -180,8 +182,11 @@ class Cluster:
         config.LocalControllerLauncher.controller_cmd = python_command("ipyparallel.controller")
         self.launcher.configure(group.ipp, self._plan, env, group.path)   # Slurm, mpiexec or ssh: from these
         self._finalizer.detach()
+        # The launcher's own end (a job cancelled, mpiexec or ssh ending its ranks) runs even when
+        # the cluster is only garbage-collected: the partial holds the launcher, not the cluster.
+        stop = functools.partial(self.launcher.stop, self._plan, group.ipp, self._jobs)
         self._finalizer = weakref.finalize(self, cleanup, group.ipp, self._known_pids, self._reaper, group.workdir,
-                                           self._jobs, self.launcher.tool_env(self._plan))
+                                           stop)
         group.ipp.start_controller_sync()
         self._write_pidfile()
         try:

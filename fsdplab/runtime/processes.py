@@ -170,14 +170,14 @@ def kill_all(procs, wait_s: float = 5.0) -> list:
     return left
 
 
-def cleanup(ipp_cluster, pids, reaper, workdir, jobs=(), slurm_env=None):
-    """Cancel a cluster's Slurm jobs, kill its processes and its watcher, and remove its scratch folder;
-    safe to call twice, never raises (the garbage collector and interpreter exit call it too)."""
-    if jobs:
+def cleanup(ipp_cluster, pids, reaper, workdir, stop_launcher=None):
+    """End a cluster's ranks through its launcher (`stop_launcher()`: cancel a Slurm job, end
+    mpiexec or the ssh ranks), kill its processes and its watcher, and remove its scratch folder;
+    safe to call twice, never raises (the garbage collector and interpreter exit call it too). The
+    launcher's stop is handed in because the launchers import this module: it imports none."""
+    if stop_launcher is not None:
         try:
-            from .launchers import slurm
-
-            slurm.cancel(list(jobs), slurm_env, wait_s=10)
+            stop_launcher()
         except Exception:  # noqa: BLE001
             pass
     try:
