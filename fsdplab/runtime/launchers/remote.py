@@ -1,10 +1,11 @@
 """Ranks on other machines, whatever started them (Slurm, mpiexec, ssh): their order, how they become one
 process group, and the handle through which the kernel watches each one.
 
-`RemoteLauncher` is what Slurm, Mpi and Ssh share. Each finds where its engines landed (`places`: node index,
-index on the node, task id, host, pid); `join_group` numbers the ranks by node, then by index on the node, opens the group's store on
-rank 0's routable address, and has every rank join. A rank's process is on another machine, so the kernel
-holds a `RemoteRank`: gone when the controller drops its engine or its answering port refuses connections.
+`RemoteLauncher` is what Slurm, Mpi and Ssh share. Each finds where its engines landed (`places`:
+node index, index on the node, task id, host, pid); `join_group` numbers the ranks by node, then by
+index on the node, opens the group's store on rank 0's routable address, and has every rank join. A
+rank's process is on another machine, so the kernel holds a `RemoteRank`: gone when the controller
+drops its engine or its answering port refuses connections.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def rank_order(places: list) -> list:
 
 
 def join_group(plan, group, places: list) -> tuple[list, list, dict]:
-    """Make the group's engines one process group: ranks by (node, index on the node) from `places` (each
-    engine's place as its launcher found it: Slurm's task variables, MPI's rank variables, the host order), rank 0's routable address
-    as MASTER_ADDR (the store listens there), and each rank answering the kernel on TCP (no shared scratch
-    folder). Returns engine ids in rank order, what each rank's setup returned, and rank -> RemoteRank."""
+    """Make the group's engines one process group: ranks by (node, index on the node) from `places`
+    (each engine's place as its launcher found it: Slurm's task variables, MPI's rank variables, the
+    host order), rank 0's routable address as MASTER_ADDR (the store listens there), and each rank
+    answering the kernel on TCP (no shared scratch folder). Returns engine ids in rank order, what
+    each rank's setup returned, and rank -> RemoteRank."""
     import secrets
 
     from .. import on_rank as dist
@@ -141,8 +143,8 @@ class HostsPlan:
 def hosts_plan(kind: str, world_size: int, backend: str, hosts, args, args_name: str, remote_python=None,
                flavor=None, address=None) -> tuple:
     """(HostsPlan, backend) for Mpi and Ssh, every option checked; `flavor()` names the MPI, once the rest passed."""
-    from ..processes import choose_backend, requested_backend
     from ..hosts import this_address
+    from ..processes import choose_backend, requested_backend
 
     choose_backend(world_size, "gloo")  # checks world_size
     backend = requested_backend(backend)
