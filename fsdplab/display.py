@@ -12,11 +12,11 @@ from __future__ import annotations
 import html
 import io
 import os
-import tempfile
 import textwrap
 from pathlib import Path
 
 from ._torch_private import CATEGORIES
+from .owned_folders import owned_temp
 from .report import CATEGORY_LABELS
 from .settings import GIB, MIB
 
@@ -28,14 +28,19 @@ FIGURE_DIR = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 
 def figure_dir() -> Path:
-    """Where save_figure writes: FSDPLAB_FIGURES (read at each save) or a temporary folder."""
-    return Path(os.environ.get("FSDPLAB_FIGURES") or Path(tempfile.gettempdir()) / "fsdplab-figures")
+    """Where save_figure writes: FSDPLAB_FIGURES (read at each save), made if missing, else
+    TMPDIR/fsdplab-figures when that is the lab's own folder (a symlink or a folder someone else
+    planted there is never followed: a new temporary folder is used instead)."""
+    chosen = os.environ.get("FSDPLAB_FIGURES")
+    if not chosen:
+        return owned_temp("fsdplab-figures")
+    Path(chosen).mkdir(parents=True, exist_ok=True)
+    return Path(chosen)
 
 
 def save_figure(fig, name: str, dpi: int = 110) -> Path:
     """Save `fig` as NAME.png in figure_dir()."""
     folder = figure_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.png"
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     return path

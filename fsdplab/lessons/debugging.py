@@ -15,12 +15,12 @@ import contextlib
 import io
 import pickle
 import re
-import shutil
 import statistics
 import time
 from pathlib import Path
 
 from ..exercises import close, exercise
+from ..owned_folders import fresh_owned
 from ..runtime.errors import RankDied, RankError, RankHang
 
 
@@ -38,6 +38,9 @@ def plant(cluster, source: str, *, timeout: float, dump_dir=None) -> dict:
     RankDied or "no error"), "seconds" until the lab said so, "ranks" it names, "message" (its first lines),
     "states" (RankHang: what each rank was doing), "dumps" (rank -> flight recorder file in `dump_dir`, written
     before any restart), "restart_s". The group is restarted when the fault left it unusable."""
+    # Refused before the fault is planted: only a folder the lab made is emptied.
+    if dump_dir is not None:
+        dump_dir = fresh_owned(dump_dir, what="dump_dir")
     t0 = time.perf_counter()
     record = {"outcome": "no error", "ranks": [], "message": "", "states": {}, "dumps": {}, "restart_s": None}
     try:
@@ -53,7 +56,6 @@ def plant(cluster, source: str, *, timeout: float, dump_dir=None) -> dict:
         record.update(outcome="RankDied", ranks=sorted(err.exits), message=str(err).splitlines()[0])
     record["seconds"] = time.perf_counter() - t0
     if dump_dir is not None:
-        shutil.rmtree(dump_dir, ignore_errors=True)
         record["dumps"] = {r: str(p) for r, p in cluster.flight_recorder_dumps(dump_dir).items()}
     if cluster.broken:
         t1 = time.perf_counter()
@@ -68,9 +70,7 @@ def repair_group_names(folder, into) -> Path:
     torch 2.13's gloo dumps name the default group "" in `pg_config` but "0" in every entry, and the analyzer
     looks entries up by that name: on the raw files it stops with KeyError ('0', 0). Only that entry is renamed;
     NCCL dumps already agree, and for them this copies the files unchanged."""
-    into = Path(into)
-    shutil.rmtree(into, ignore_errors=True)
-    into.mkdir(parents=True)
+    into = fresh_owned(into, what="the repaired dumps' folder")
     for path in sorted(Path(folder).glob("rank_*")):
         dump = pickle.loads(path.read_bytes())
         config = dump.get("pg_config", {})
