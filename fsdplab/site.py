@@ -18,6 +18,8 @@ import re
 import shutil
 from pathlib import Path
 
+from .owned_folders import replace_owned
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 # A printed verdict: "claim 13 'saving ...': WRONG. ...", "claim #7 PCIe ...: PARTLY: ...", "Claim 15 (partly): ...",
 # "belief 'no_sync saves memory': HALF RIGHT. ..."; and a row of a lesson's verdict table: "| 4 | ... | **WRONG** | ...".
@@ -211,19 +213,24 @@ def _images(folder: Path, text: str, out: Path) -> None:
 
 
 def build(run_dir="runs", out_dir="site") -> dict:
-    """Build the site from the executed lessons in `run_dir` into `out_dir`; returns what was built."""
-    import nbformat
-    from nbconvert import HTMLExporter
-
+    """Build the site from the executed lessons in `run_dir` into `out_dir`; returns what was built.
+    `out_dir` is new, empty, or a site this command built (it has the lab's mark), else refused."""
     run, out = Path(run_dir), Path(out_dir)
     lessons = sorted(run.glob("[0-9][0-9]_*.ipynb"))
     if not lessons:
         raise ValueError(f"no executed lessons in {run}: run `fsdplab run --out {run}` first, then `fsdplab site {run}`.")
-    if out.exists() and any(out.iterdir()) and not (out / "search.json").is_file():
-        raise ValueError(f"{out} holds files that are not a site this command built: choose a new or empty folder "
-                         "for --out (a previous site there is replaced).")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    built = {"lessons": [], "docs": [], "verdicts": 0}
+    # Built beside the old site, then swapped in: a failure (a bad notebook, a full disk) leaves
+    # the old site whole.
+    replace_owned(out, lambda new: _write_site(run, lessons, new, built), what="--out")
+    built["pages"] = sorted(p.name for p in out.glob("*.html"))
+    return built
+
+
+def _write_site(run: Path, lessons: list, out: Path, built: dict) -> None:
+    import nbformat
+    from nbconvert import HTMLExporter
+
     info_file = run / "run_info.json"
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     machine = (f"Executed on {info.get('device', '?')}, {info.get('cpus', '?')} CPU cores, torch {info.get('torch', '?')}, "
@@ -231,7 +238,6 @@ def build(run_dir="runs", out_dir="site") -> dict:
                "Executed on a machine this run did not record (run_info.json is missing).")
     exporter = HTMLExporter(template_name="lab", embed_images=True)
     index, entries = [], []
-    built = {"lessons": [], "docs": [], "verdicts": 0}
     for path in lessons:
         nb = nbformat.read(path, as_version=4)
         title = _title(nb, path.stem)
@@ -272,8 +278,6 @@ def build(run_dir="runs", out_dir="site") -> dict:
     # The index is also inlined in the search page, so search works from file:// too (no fetch needed).
     inline = json.dumps(entries).replace("</", "<\\/")
     (out / "search.html").write_text(_page("Search", f"<script>window.SEARCH_INDEX = {inline};</script>" + _SEARCH))
-    built["pages"] = sorted(p.name for p in out.glob("*.html"))
-    return built
 
 
 # The search page: the index (window.SEARCH_INDEX, inlined above it); a page matches when it has every word.

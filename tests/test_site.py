@@ -124,9 +124,64 @@ def test_a_folder_that_is_not_a_site_is_never_replaced(small_run, tmp_path, caps
     keep.mkdir()
     (keep / "notes.txt").write_text("mine")
     assert cli.main(["site", str(small_run), "--out", str(keep)]) == 2
-    assert (keep / "notes.txt").read_text() == "mine" and "not a site" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (keep / "notes.txt").read_text() == "mine" and "choose a new or empty folder" in err
+    assert str(keep) in err and len(err.strip().splitlines()) == 1
     assert cli.main(["site", str(tmp_path / "no-run"), "--out", str(tmp_path / "s")]) == 2
     assert "fsdplab run --out" in capsys.readouterr().err
+
+
+def test_a_stray_search_json_does_not_make_a_folder_a_site(small_run, tmp_path, capsys):
+    keep = tmp_path / "thesis"
+    keep.mkdir()
+    (keep / "search.json").write_text("[]")
+    (keep / "chapter1.tex").write_text("mine")
+    assert cli.main(["site", str(small_run), "--out", str(keep)]) == 2
+    assert "choose a new or empty folder" in capsys.readouterr().err
+    assert (keep / "chapter1.tex").read_text() == "mine"
+    assert (keep / "search.json").read_text() == "[]"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis"]
+
+
+def _pages(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_site_this_command_built_is_replaced(small_run, tmp_path):
+    out = tmp_path / "site"
+    site.build(small_run, out)
+    assert (out / "02_second.html").is_file()
+    smaller = tmp_path / "smaller"
+    smaller.mkdir()
+    (smaller / "01_first.ipynb").write_bytes((small_run / "01_first.ipynb").read_bytes())
+    built = site.build(smaller, out)
+    assert built["lessons"] == ["01_first"] and not (out / "02_second.html").exists()
+    assert "02_second.html" not in (out / "search.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site", "smaller"]   # nothing beside it
+
+
+def test_a_failed_build_leaves_the_previous_site_whole(small_run, tmp_path, monkeypatch):
+    out = tmp_path / "site"
+    site.build(small_run, out)
+    before = _pages(out)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "01_first.ipynb").write_bytes((small_run / "01_first.ipynb").read_bytes())
+    (broken / "02_half.ipynb").write_text('{"cells": [')                 # a notebook cut short
+    with pytest.raises(Exception):
+        site.build(broken, out)
+    assert _pages(out) == before
+    written = []
+
+    def full_disk(folder, text, dest):
+        written.append(dest)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(site, "_images", full_disk)     # runs after the lessons' pages are written
+    with pytest.raises(OSError, match="No space left"):
+        site.build(small_run, out)
+    assert written and _pages(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "site"]
 
 
 def test_every_executed_lesson_builds_into_the_site(executed_lessons, tmp_path):
