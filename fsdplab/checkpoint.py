@@ -13,7 +13,9 @@ Every function that gathers or scatters parameters is a collective: call it on E
   disk is reported as one line (`CheckpointDiskFull`). Loading works at any world size (DCP reshards).
   The file-system side (atomic writes, fsync, clearing debris, the full-disk line) is `fsdplab.safe_files`.
   Every save records its files' SHA-256 (`fsdplab.checksums`); a load refuses a damaged checkpoint in one line
-  on every rank (`fallback=True` takes the newest undamaged step instead).
+  on every rank (`fallback=True` takes the newest undamaged step instead). Missing, malformed or
+  unreadable checksums are damage too; a checkpoint from before checksums loads only with
+  `trust_unverified=True`, which records them from its files as they are.
 - `full_state` / `state_fingerprint` / `equal_state`: bit-exact comparisons (torch.equal, every tensor).
 - `export_pretrained`: a `save_pretrained` folder (config.json + model.safetensors) plain transformers loads.
 """
@@ -51,10 +53,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _on_rank0(fn):
+def _on_rank0(fn, doing: str = "writing the checkpoint"):
     """Run `fn()` on rank 0 only, then let every rank know how it went: an error on rank 0 is raised on
     every rank (instead of rank 0 raising while the others wait for it at the next barrier forever).
-    Works as a barrier too. Returns fn's value on rank 0, None elsewhere."""
+    A refusal (CheckpointDamaged, a ValueError) keeps its type and line on every rank; a full
+    disk stays CheckpointDiskFull. Works as a barrier too. Returns fn's value on rank 0, None
+    elsewhere."""
     value, failure = None, None
     if this_rank() == 0:
         try:
@@ -64,16 +68,24 @@ def _on_rank0(fn):
     dist = _dist()
     if dist:
         text = getattr(failure, "strerror", None) or str(failure)   # an OSError's text without "[Errno N]"
-        message = [None if failure is None else (f"{type(failure).__name__}: {text}", getattr(failure, "errno", None))]
+        kind = type(failure).__name__
+        message = [None if failure is None else (kind, text, getattr(failure, "errno", None))]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None and failure is None:
-            text, code = message[0]
+            kind, text, code = message[0]
             if code in files.DISK_FULL:   # keep the type: callers catch a full disk as such on every rank
-                raise CheckpointDiskFull(code, f"rank 0 failed while writing the checkpoint: {text}")
-            raise RuntimeError(f"rank 0 failed while writing the checkpoint: {text}")
+                raise CheckpointDiskFull(code, f"rank 0 failed while {doing}: {kind}: {text}")
+            if kind in _SAME_ON_EVERY_RANK:   # a verdict on the files, not a failure of rank 0
+                raise _SAME_ON_EVERY_RANK[kind](text)
+            raise RuntimeError(f"rank 0 failed while {doing}: {kind}: {text}")
     if failure is not None:
         raise failure
     return value
+
+
+_SAME_ON_EVERY_RANK = {"CheckpointDamaged": checksums.CheckpointDamaged,
+                       "CheckpointUnverified": checksums.CheckpointUnverified,
+                       "ValueError": ValueError}
 
 
 # --- full state dicts -----------------------------------------------------------------------------------
@@ -100,19 +112,28 @@ def save_full(model: nn.Module, path) -> Path | None:
     return _on_rank0(lambda: checksums.write_sidecar(files.atomic_save_tensors(state, path)) and path)
 
 
-def load_full(model: nn.Module, path) -> None:
+def load_full(model: nn.Module, path, trust_unverified: bool = False) -> None:
     """Load a file written by `save_full` into a (sharded) model. Collective: call it on every rank.
-    Rank 0 reads the file and broadcasts; each rank keeps only its own shards."""
+    Rank 0 verifies the file against its `.sha256` sidecar, reads it and broadcasts; each rank
+    keeps only its own shards. A damaged file, or a missing, malformed or unreadable sidecar, is
+    refused on every rank (CheckpointDamaged). `trust_unverified=True` accepts a file saved before
+    sidecars existed, once: it records the sidecar from the file as it is now."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = Path(path)
+
+    def read():
+        checksums.verify_file(path, trust_unverified)
+        return files.read_tensors(path)
+
     if _dist() is None:
-        checksums.verify_file(path)
-        model.load_state_dict(files.read_tensors(path))
+        model.load_state_dict(read())
         return
-    _on_rank0(lambda: checksums.verify_file(path))    # a damaged file is refused on every rank, not loaded
-    state = files.read_tensors(path) if this_rank() == 0 else {}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Rank 0 reads inside _on_rank0: a refusal or a failed read reaches the ranks waiting to
+    # receive the weights, instead of leaving them in the broadcast until the timeout.
+    state = _on_rank0(read, doing="reading the checkpoint")
+    set_model_state_dict(model, state if this_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def full_state(model: nn.Module, optimizer=None) -> dict:
@@ -293,13 +314,19 @@ def save_sharded(model: nn.Module, optimizer, root, step: int) -> Path:
 
 
 def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, storage_reader=None,
-                 fallback: bool = False) -> int:
+                 fallback: bool = False, trust_unverified: bool = False) -> int:
     """Load the newest complete checkpoint under `root` (or the folder `checkpoint`) into `model` and
     `optimizer`, at whatever world size is running now (DCP reshards on load). Returns the saved step.
 
     Collective: call on every rank, after sharding the model the way it will train (fully_shard first).
     `storage_reader`: a DCP StorageReader to read with instead of the default FileSystemReader (it is
-    pointed at the checkpoint's folder), e.g. one that counts the bytes each rank reads."""
+    pointed at the checkpoint's folder), e.g. one that counts the bytes each rank reads.
+
+    The checkpoint is verified first (`fsdplab.checksums`): damaged files, or a missing, malformed
+    or unreadable checksums.json, are refused in one line on every rank (CheckpointDamaged); with
+    `fallback=True` the newest older undamaged step is loaded instead. `trust_unverified=True`
+    accepts a checkpoint written before checksums existed, once: it records checksums.json from its
+    files as they are."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -309,7 +336,7 @@ def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, s
         checkpoint = latest_checkpoint(root)
         if checkpoint is None:
             raise ValueError(f"no complete checkpoint under {root}: save one with save_sharded(...) first.")
-    checkpoint = _verified(Path(checkpoint), fallback)
+    checkpoint = _verified(Path(checkpoint), fallback, trust_unverified)
     state = _train_state(model, optimizer)
     state["step"] = -1
     with warnings.catch_warnings():
@@ -325,11 +352,11 @@ def load_sharded(model: nn.Module, optimizer=None, root=None, checkpoint=None, s
     return int(state["step"])
 
 
-def _verified(checkpoint: Path, fallback: bool) -> Path:
+def _verified(checkpoint: Path, fallback: bool, trust_unverified: bool) -> Path:
     """`checkpoint` if its files are as saved (checksums.json); else, with `fallback`, the newest older complete
     step that is, said in one line; else CheckpointDamaged on every rank. Collective."""
     try:
-        checksums.verify_folder(checkpoint, this_rank(), this_world_size())
+        checksums.verify_folder(checkpoint, trust_unverified=trust_unverified)
         return checkpoint
     except checksums.CheckpointDamaged as damage:
         older = sorted((int(m.group(1)), p) for p in checkpoint.parent.glob("step-*")
@@ -340,7 +367,7 @@ def _verified(checkpoint: Path, fallback: bool) -> Path:
             raise
         if this_rank() == 0:
             print(f"fsdplab: {damage} Loading {older[-1].name} instead (fallback=True).", flush=True)
-        return _verified(older[-1], fallback)
+        return _verified(older[-1], fallback, trust_unverified)
 
 
 def checkpoint_files(root) -> list:
