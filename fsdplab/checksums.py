@@ -101,7 +101,9 @@ def _entries(folder: Path) -> dict:
             raise _Bad(f"the entry of {name} is not {{'bytes': <int>, 'sha256': <64 hex digits>}}")
     if ".metadata" not in entries:
         raise _Bad("does not record .metadata")
-    unrecorded = sorted(p.name for p in folder.iterdir() if p.name not in entries | {MANIFEST: 0})
+    # The temp file of a manifest write that died (trust_unverified) is debris, not saved data.
+    unrecorded = sorted(p.name for p in folder.iterdir() if p.name not in entries
+                        and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}.tmp-"))
     if unrecorded:
         more = " ..." if len(unrecorded) > 3 else ""
         raise _Bad(f"does not record {', '.join(unrecorded[:3])}{more}")

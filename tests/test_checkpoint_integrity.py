@@ -343,3 +343,11 @@ def test_refusals_keep_their_type_on_every_rank(cluster, copy_of):
     path.write_bytes(bytes(data))
     message = _refused_quickly_on_every_rank(cluster, _load_full_on_ranks, str(path))
     assert "is damaged" in message and "writing" not in message, message
+
+
+def test_the_temp_file_of_a_manifest_write_that_died_is_not_saved_data(copy_of):
+    (copy_of / "dcp" / "step-1" / f".{checksums.MANIFEST}.tmp-4242").write_bytes(b'{"half')
+    (copy_of / "dcp" / "step-1" / "notes.txt").write_text("not recorded")
+    model, opt = ck.sharded_tiny(CFG, seed=3)
+    with pytest.raises(checksums.CheckpointDamaged, match="does not record notes.txt\\)"):
+        ck.load_sharded(model, opt, copy_of / "dcp")
