@@ -34,6 +34,23 @@ def test_live_bytes_counts_what_is_allocated_freed_and_resized_in_place():
     assert torch.UntypedStorage.resize_ is not None and "LiveBytes" not in repr(torch.UntypedStorage.resize_)
 
 
+def test_held_at_a_mark_leaves_out_what_another_thread_let_go_of_later():
+    import threading
+
+    with tl.LiveBytes() as live:
+        kept = torch.empty(100)                              # 400 B the program holds
+        lent = [torch.empty(50)]                             # 200 B a backend's thread holds last
+        mark = live.mark()
+        worker = threading.Thread(target=lambda box: box.pop(), args=(lent,))
+        worker.start()
+        worker.join()                                        # its thread dropped the last reference
+        assert live.now == 400
+        dropped_here = torch.empty(25)                       # 100 B freed on the block's own thread
+        second = live.mark()
+        del dropped_here
+    assert live.held(mark) == 400 and live.held(second) == 500 and kept.numel() == 100
+
+
 def test_init_weights_draws_the_same_full_tensors_whatever_came_before():
     one = tl.init_weights(TinyTransformer(TinyConfig()), seed=3)
     torch.randn(1000)                                        # the global generator moved: no effect

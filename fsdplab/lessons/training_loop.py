@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 
 import torch
@@ -32,21 +33,44 @@ class LiveBytes(TorchDispatchMode):
     block and alive at once; `live.now` what is still alive at the end. Storages made before the block
     do not count (start it before the model exists to count the model). Tensor subclasses (DTensor) are
     seen through the plain tensors they hold. A storage resized in place (FSDP2 frees its all-gather buffers
-    with `untyped_storage().resize_(0)` and grows them again for the next all-gather) counts at its new size."""
+    with `untyped_storage().resize_(0)` and grows them again for the next all-gather) counts at its new size.
+
+    A collective's buffers (gloo's copy of a reduce-scatter's input, a tensor the program handed to the
+    collective and let go of) can outlive it: the backend's thread drops the last reference when it gets to it,
+    at once on an idle machine, a while later on a busy one, so `live.now` right after a collective depends on
+    the load. `mark = live.mark()` records what is alive; `live.held(mark)`, read later (after the next
+    collectives), is the bytes of that mark less the storages whose last reference went on another thread than
+    the block's: what the program itself held at the mark, whatever the load.
+    """
 
     def __init__(self):
         super().__init__()
         self.now = self.peak = 0
-        self._alive: dict = {}      # id of a storage -> bytes counted for it
+        self._alive: dict = {}      # id of a storage -> [bytes counted for it, its serial number]
+        self._serial = 0            # ids are reused once a storage is gone: serials are not
+        self._elsewhere: set = set()     # serials of storages freed on another thread than the block's
+        self._thread = threading.get_ident()
+        self._lock = threading.RLock()   # a storage's last reference may go on a backend's thread
+
+    def mark(self) -> dict:
+        """What is alive now: serial -> bytes."""
+        with self._lock:
+            return {serial: size for size, serial in self._alive.values()}
+
+    def held(self, mark: dict) -> int:
+        """The bytes of `mark` the program held, without what a backend's thread freed after it."""
+        with self._lock:
+            return sum(size for serial, size in mark.items() if serial not in self._elsewhere)
 
     def __enter__(self):
+        self._thread = threading.get_ident()
         original = self._original_resize = torch.UntypedStorage.resize_
         live = self
 
         def resize(storage, size):
             key = id(storage)
             if key in live._alive:
-                live._count(key, size - live._alive[key])
+                live._count(key, size - live._alive[key][0])
             result = original(storage, size)
             return result
 
@@ -58,26 +82,38 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _count(self, key, delta):
-        self._alive[key] += delta
-        self.now += delta
-        self.peak = max(self.peak, self.now)
+        with self._lock:
+            self._alive[key][0] += delta
+            self.now += delta
+            self.peak = max(self.peak, self.now)
 
     def _freed(self, key):
-        self.now -= self._alive.pop(key, 0)
+        with self._lock:
+            size, serial = self._alive.pop(key, (0, None))
+            self.now -= size
+            if threading.get_ident() != self._thread:
+                self._elsewhere.add(serial)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type == "meta":
+            if not _plain(t):
                 continue
             storage = t.untyped_storage()
             key = id(storage)
             if key in self._alive or storage.nbytes() == 0:
                 continue
-            self._alive[key] = 0
-            self._count(key, storage.nbytes())
+            with self._lock:
+                self._serial += 1
+                self._alive[key] = [0, self._serial]
+                self._count(key, storage.nbytes())
             weakref.finalize(storage, self._freed, key)
         return out
+
+
+def _plain(t) -> bool:
+    """A tensor with a storage of its own: not a subclass (DTensor holds plain tensors), not on meta."""
+    return type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta" and t.layout == torch.strided
 
 
 # --- initialisation ----------------------------------------------------------------------------------------
