@@ -51,20 +51,57 @@ def _value(text: str):
 
 
 def parse_parameters(paths, pairs) -> dict:
-    """`-p NAME VALUE` pairs as Python values. A value that is not a Python literal passes as text, unless a
-    selected lesson declares NAME with a default that is not text: then it is a typo, refused with the fix."""
+    """`-p NAME VALUE` pairs as Python values, checked against the type of NAME's default in each
+    selected lesson's parameters cell before any kernel starts: an int is taken for a float, a tuple
+    for a list, the text itself for a str; a None default takes anything. A wrong shape is refused
+    with the fix."""
     params = {}
     for name, text in pairs:
         value = _value(text)
-        if isinstance(value, str):
-            for path in paths:
-                default = pm_defaults(path).get(name)
-                if default is not None and not isinstance(default, str):
-                    raise ValueError(f"-p {name} {text!r}: {path.stem} declares {name} = {default!r}, a "
-                                     f"{type(default).__name__}, and {text!r} is not a Python literal of one "
-                                     f"(e.g. -p {name} {default!r}).")
+        for path in paths:
+            defaults = pm_defaults(path)
+            if name in defaults:
+                value = _as_default_type(name, text, value, defaults[name], path)
         params[name] = value
     return params
+
+
+def _as_default_type(name: str, text: str, value, default, path):
+    """`value` in the shape of `default` (see parse_parameters), or ValueError naming both."""
+    if default is None:
+        return value
+    if isinstance(default, str):
+        return value if isinstance(value, str) else text
+    kind = type(default)
+    if kind is float and type(value) is int:
+        return value
+    if kind is list and type(value) is tuple:      # "1,2" reads as a tuple
+        value = list(value)
+    fits = type(value) is kind
+    if fits and kind is list and default:
+        item = type(default[0])
+        if all(type(v) is item for v in default):   # a list of one kind (ints) takes that kind only
+            fits = all(type(v) is item or (item is float and type(v) is int) for v in value)
+    if not fits:
+        got = "not a Python literal of one" if isinstance(value, str) else f"{_kind(value)}, not one"
+        raise ValueError(f"-p {name} {text!r}: {path.stem} declares {name} = {default!r}, "
+                         f"{_kind(default)}, and {text!r} is {got} "
+                         f"(e.g. -p {name} {_example(default)}).")
+    return value
+
+
+def _kind(value) -> str:
+    """'an int', 'a list of int', 'a list': what a parameter's value is, in words."""
+    name = type(value).__name__
+    kinds = {type(v).__name__ for v in value} if isinstance(value, (list, tuple)) else set()
+    of = f" of {kinds.pop()}" if len(kinds) == 1 else ""
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}{of}"
+
+
+def _example(default) -> str:
+    text = repr(default)
+    plain = text.replace(".", "").replace("-", "").replace("e", "").isalnum()
+    return text if plain else f'"{text}"'
 
 
 def pm_defaults(path) -> dict:
@@ -87,6 +124,10 @@ def check_folder(flag: str, folder: Path, paths=()) -> Path:
         if Path(path).resolve().parent == folder:
             raise ValueError(f"{flag} {folder} is where the lesson {Path(path).name} lives: the executed copy would "
                              f"replace it. Choose another folder (the default is runs).")
+    for above in (folder, *folder.parents):
+        if above.exists() and not above.is_dir():
+            raise ValueError(f"{flag} {folder}: cannot write there ({above} is a file, not a "
+                             f"folder); choose a folder you can write to.")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".fsdplab-write-test-"):
@@ -174,7 +215,7 @@ def run_command(args) -> int:
     return 1 if failed else 0
 
 
-def _positive_ints(flag: str, text) -> list:
+def _positive_ints(flag: str, text, most: int | None = None, why: str = "") -> list:
     """'512,1024' -> [512, 1024]: the values of a flag that takes one number or a comma list."""
     try:
         values = [int(part) for part in str(text).split(",")]
@@ -182,7 +223,28 @@ def _positive_ints(flag: str, text) -> list:
         values = []
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{flag} takes positive integers separated by commas (e.g. {flag} 4,8), got {text!r}.")
+    if most is not None and max(values) > most:
+        raise ValueError(f"{flag} takes at most {most:,} ({why}), got {text!r}.")
     return list(dict.fromkeys(values))   # in the order given, each once
+
+
+def _at_least(flag: str, value, least: int, example: str):
+    """`value` of an integer flag (None: not given) if it is `least` or more; else one line."""
+    if value is not None and value < least:
+        raise ValueError(f"{flag} takes an integer of {least} or more (e.g. {flag} {example}), "
+                         f"got {value}.")
+    return value
+
+
+def check_output_file(flag: str, text) -> None:
+    """Refuse a file an estimate would write at the end (a folder, a parent that is a file or
+    read-only) before the estimate runs; a missing parent folder is made, as --out's is."""
+    path = Path(text).expanduser().resolve()
+    if path.is_dir():
+        example = Path(text) / f"step{path.suffix or '.pickle'}"
+        raise ValueError(f"{flag} {text} is a folder: give a file name in it "
+                         f"(e.g. {flag} {example}).")
+    check_folder(flag, path.parent)
 
 
 def _lora_targets(text: str):
@@ -221,26 +283,35 @@ def estimate_command(args) -> int:
     from .settings import TrainSetting
     from .sweep import check, sweep
 
+    from .settings import MAX_WORLD_SIZE, WORLD_SIZE_BOUND
+
+    # Every flag is checked here, before the model is loaded or any estimate starts.
     seq_lens = _positive_ints("--seq-len", args.seq_len)
     batch_sizes = _positive_ints("--batch-size", args.batch_size)
-    world_sizes = _positive_ints("--world-size", args.world_size)
+    world_sizes = _positive_ints("--world-size", args.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
+    _at_least("--lora-rank", args.lora_rank, 1, "16")
+    _at_least("--loss-chunks", args.loss_chunks, 1, "8")
+    _at_least("--workers", args.workers, 1, "2")
+    _at_least("--reshard-to", args.reshard_to, 2, "8")
     if args.lora_targets != "all-linear" and args.lora_rank is None:
         raise ValueError("--lora-targets chooses where LoRA adapters go: add --lora-rank (e.g. --lora-rank 16).")
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}.")
-    if args.plot:
-        check_folder("--plot", Path(args.plot).expanduser().resolve().parent)   # before the sweep, not after
-    if args.timeline:
-        if not args.timeline.lower().endswith(".png"):
-            raise ValueError(f"--timeline writes a PNG: give a file name ending in .png, got {args.timeline!r}.")
-        check_folder("--timeline", Path(args.timeline).expanduser().resolve().parent)
-    if args.memory_snapshot:
-        check_folder("--memory-snapshot", Path(args.memory_snapshot).expanduser().resolve().parent)
+    for flag, text in (("--plot", args.plot), ("--timeline", args.timeline)):
+        if text and not text.lower().endswith(".png"):
+            raise ValueError(f"{flag} writes a PNG: give a file name ending in .png, got {text!r}.")
+    for flag, text in (("--plot", args.plot), ("--timeline", args.timeline),
+                       ("--memory-snapshot", args.memory_snapshot)):
+        if text:
+            check_output_file(flag, text)      # before the estimate, not after it
     if not math.isfinite(args.gpu_mem_gib) or args.gpu_mem_gib <= 0:
         raise ValueError(f"--gpu-mem-gib is a GPU's memory in GiB, a positive number (e.g. 24), got {args.gpu_mem_gib}.")
     if args.shard_group_size is not None and args.shard_group_size < 1:
         raise ValueError(f"--shard-group-size is a number of GPUs (1 or more; usually a node's 8), got "
                          f"{args.shard_group_size}.")
+    for world_size in world_sizes:
+        if args.reshard_to is not None and world_size % args.reshard_to:
+            raise ValueError(f"--reshard-to {args.reshard_to} must divide --world-size "
+                             f"({world_size}): the ranks split into groups of that size "
+                             f"(e.g. --reshard-to 8, one node).")
     setting = TrainSetting(model=resolve_model(args.model), world_size=world_sizes[0], lora_rank=args.lora_rank,
                            lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
                            batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,
@@ -249,6 +320,8 @@ def estimate_command(args) -> int:
                            cpu_offload=args.cpu_offload, attention=args.attention, loss_chunks=args.loss_chunks,
                            embed_head_units=args.embed_head_units, use_cache=args.use_cache,
                            reshard_to=args.reshard_to)
+    for world_size in world_sizes[1:]:
+        setting.replace(world_size=world_size)    # every world size valid before the sweep starts
     if args.sweep or args.plot or len(seq_lens) * len(batch_sizes) * len(world_sizes) > 1:
         if args.timeline or args.memory_snapshot:
             raise ValueError("--timeline and --memory-snapshot show one setting's step: give one --seq-len, "
@@ -282,6 +355,14 @@ def estimate_command(args) -> int:
         if not args.json:
             print(f"memory over the step: {args.timeline}")
     return 0
+
+
+def _one_line_error(parser):
+    """argparse's refusal of a flag (a bad choice, a number that is not one) as one line, exit 2,
+    as the command's own checks do, instead of the usage text and then the error."""
+    def error(message):
+        parser.exit(2, f"{parser.prog}: {message}; see {parser.prog} --help.\n")
+    return error
 
 
 def main(argv=None) -> int:
@@ -372,6 +453,8 @@ def main(argv=None) -> int:
     est.add_argument("--memory-snapshot", metavar="FILE.pickle",
                      help="write the step as PyTorch's memory visualizer reads it (pytorch.org/memory_viz; one setting)")
     est.add_argument("--json", action="store_true", help="print one JSON object")
+
+    est.error = _one_line_error(est)
 
     args = parser.parse_args(argv)
     try:

@@ -238,7 +238,7 @@ def resolve_model(text: str):
         config = _config_from_hub(text)
     if config is None:
         raise ValueError(_unknown_name(text))
-    return _named(check_causal_lm(config), text)
+    return _named(check_config_sizes(check_causal_lm(config), text), text)
 
 
 def _unknown_name(text: str) -> str:
@@ -270,11 +270,22 @@ def _config_from_path(path, text: str):
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{file} has no \"model_type\" key, so transformers cannot tell which architecture it "
                          "describes; add one (e.g. \"model_type\": \"llama\") or use the model's own config.json.")
+    _check_raw_sizes(data, file)
     try:
         config = AutoConfig.from_pretrained(str(file), trust_remote_code=False)
     except ValueError as e:
         raise ValueError(_config_error(file, e, data)) from None
-    return _named(check_causal_lm(config), text)
+    except Exception as e:
+        raise ValueError(_refused(file, e)) from None
+    return _named(check_config_sizes(check_causal_lm(config), str(file)), text)
+
+
+def _refused(where, error) -> str:
+    """transformers' own validation of a config's fields (a strict dataclass error, not a
+    ValueError) as one line: the field it names and why."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = lines or [type(error).__name__]
+    return f"{where}: transformers refuses the config ({lines[-1]}); fix that field."
 
 
 def _config_error(where, error, data=None) -> str:
@@ -328,6 +339,90 @@ def _config_from_hub(repo_id: str):
                          "(hf auth login) for a gated model.") from None
     except ValueError as e:
         raise ValueError(_config_error(repo_id, e)) from None
+
+
+# The sizes every decoder config has, and those some leave out (None: derived, as GPT-2's MLP).
+REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "intermediate_size", "head_dim", "max_position_embeddings")
+# The estimate traces every block, so its time grows with the layers (100,000 ran for minutes
+# without a word); the deepest released decoder, Llama 3.1 405B, has 126.
+MAX_LAYERS = 512
+LAYERS_BOUND = "4 times Llama 3.1 405B's 126 layers; the estimate traces every block"
+
+
+def check_config_sizes(config, where: str | None = None):
+    """`config` (a transformers config) if its sizes make a decoder; else ValueError, one line
+    naming the field, its value and what is allowed. `resolve_model` and `TrainSetting` check it
+    before any work."""
+    where = where or getattr(config, "name_or_path", "") or type(config).__name__
+
+    def get(name):
+        try:
+            return name, getattr(config, name)
+        except AttributeError:
+            return None
+    _check_sizes(get, where)
+    return config
+
+
+def _check_raw_sizes(data: dict, file) -> None:
+    """The sizes of a config.json as written, before transformers fills a missing one with its
+    class's default or refuses one with a traceback. Fields are named as the file spells them
+    (GPT-2's n_embd)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_type = data.get("model_type")
+    # CONFIG_MAPPING is lazy: its .get answers None even for a known type
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING or "text_config" in data:
+        return               # an unknown type, an encoder-decoder, a multimodal model: named later
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+
+    def get(name):
+        for key in (name, aliases.get(name)):
+            if key in data:
+                return key, data[key]
+        return None
+    for name in REQUIRED_SIZES:
+        if get(name) is None:
+            alias = f" (or {aliases[name]})" if name in aliases else ""
+            raise ValueError(f"{file} has no {name}{alias} field: the estimator needs every one of "
+                             f"{', '.join(REQUIRED_SIZES)}; use the model's own config.json.")
+    _check_sizes(get, file)
+
+
+def _check_sizes(get, where) -> None:
+    """Type, range and divisibility of the sizes; `get(name)`: (the key as spelt, value) or None."""
+    values = {}
+    for name in REQUIRED_SIZES + OPTIONAL_SIZES:
+        found = get(name)
+        if found is None or (found[1] is None and name in OPTIONAL_SIZES):
+            continue
+        key, value = found
+        if type(value) is not int or value < 1:     # a bool or a float is no size either
+            kind = "" if value is None or type(value) is int else f" (a {type(value).__name__})"
+            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}{kind}.")
+        if name == "num_hidden_layers" and value > MAX_LAYERS:
+            raise ValueError(f"{where}: {key} must be at most {MAX_LAYERS:,} ({LAYERS_BOUND}), "
+                             f"got {value!r}.")
+        values[name] = (key, value)
+    if not {"hidden_size", "num_attention_heads"} <= set(values):
+        return
+    (hidden_key, hidden), (heads_key, heads) = values["hidden_size"], values["num_attention_heads"]
+    head_dim = values.get("head_dim", (None, hidden // heads))[1]
+    # An explicit head_dim of its own (Gemma: 3072 wide, 16 heads of 256) lets the width differ from
+    # heads x head_dim; without one, transformers floors the division and builds a wrong model.
+    if hidden % heads and head_dim == hidden // heads:
+        raise ValueError(f"{where}: {hidden_key} ({hidden}) must be a multiple of {heads_key} "
+                         f"({heads}), each head being {hidden_key} / {heads_key} wide; fix one of "
+                         f"them.")
+    if "num_key_value_heads" in values:
+        kv_key, kv_heads = values["num_key_value_heads"]
+        if heads % kv_heads:
+            raise ValueError(f"{where}: {kv_key} ({kv_heads}) must divide {heads_key} ({heads}): "
+                             f"each key/value head serves a whole group of query heads "
+                             f"(e.g. {kv_key} 1, or {heads}).")
 
 
 def _named(config, text: str):

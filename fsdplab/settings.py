@@ -76,6 +76,23 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}.")
 
 
+# Bounds on what makes an estimate's work grow: far beyond any released run, so they refuse typos,
+# not plans. The fake process group's cost grows with the ranks (16,384 took 16 s, 100,000 took
+# 165 s and 2**31 ran out of memory); Llama 3's largest run used 16,384 GPUs.
+MAX_WORLD_SIZE = 65_536
+WORLD_SIZE_BOUND = "4 times Llama 3's 16,384 GPUs; the estimate's fake process group grows with it"
+
+
+def check_positive_int(name: str, value, most: int | None = None, why: str = "") -> int:
+    """`value` if an int (not a bool) from 1 to `most`; else ValueError, one line naming `name`."""
+    if type(value) is not int or value < 1:
+        kind = "" if value is None or type(value) is int else f" (a {type(value).__name__})"
+        raise ValueError(f"{name} must be a positive integer, got {value!r}{kind}.")
+    if most is not None and value > most:
+        raise ValueError(f"{name} must be at most {most:,} ({why}), got {value!r}.")
+    return value
+
+
 @dataclass(frozen=True)
 class TrainSetting:
     """One fine-tuning run as one rank sees it. Every field has a default that is the posts' setting or the
@@ -138,8 +155,7 @@ class TrainSetting:
     use_cache: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}.")
+        check_positive_int("world_size", self.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
         check_choice("strategy", self.strategy, STRATEGIES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("base_dtype", self.base_dtype, PRECISIONS)
@@ -150,13 +166,16 @@ class TrainSetting:
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         else:
             check_choice("lora_targets", self.lora_targets, LORA_TARGETS)
-        if self.lora_rank is not None and (not isinstance(self.lora_rank, int) or self.lora_rank < 1):
+        if self.lora_rank is not None and (type(self.lora_rank) is not int or self.lora_rank < 1):
             raise ValueError(f"lora_rank must be a positive integer or None (full fine-tune), got {self.lora_rank!r}.")
-        if not isinstance(self.seq_len, int) or not isinstance(self.batch_size, int) \
-                or self.seq_len < 1 or self.batch_size < 1:
+        # a bool is no length
+        if any(type(v) is not int or v < 1 for v in (self.seq_len, self.batch_size)):
             raise ValueError(f"seq_len and batch_size must be positive integers, got {self.seq_len!r} and "
                              f"{self.batch_size!r}.")
         if isinstance(self.model, (int, float)) and not isinstance(self.model, bool):
+            if not 0 < self.model < float("inf"):
+                raise ValueError(f"model as a parameter count must be a positive number "
+                                 f"(e.g. 60.2e6), got {self.model!r}.")
             if self.lora_rank is not None:
                 raise ValueError("lora_rank needs a transformer model (a name or a config), not a parameter count.")
         elif isinstance(self.model, str):
@@ -170,6 +189,10 @@ class TrainSetting:
 
             raise ValueError(f"model must be a name ({'/'.join(MODELS)}), a transformers config or a "
                              f"parameter count; got {type(self.model).__name__}.")
+        else:
+            from .models import check_config_sizes
+
+            check_config_sizes(self.model)
         if self.attention is not None:
             check_choice("attention", self.attention, ATTENTIONS)
         ac = self.activation_checkpointing
