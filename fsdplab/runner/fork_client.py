@@ -21,14 +21,26 @@ def _fallback(module: str, args: list):
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
-def _read_line(conn: socket.socket) -> bytes:
+def _read_line(conn: socket.socket):
+    """One line from the server; b"" when it closed the connection, None when it was killed (reset)."""
     data = b""
     while not data.endswith(b"\n"):
-        chunk = conn.recv(64)
+        try:
+            chunk = conn.recv(64)
+        except ConnectionResetError:
+            return None
         if not chunk:
             return b""
         data += chunk
     return data
+
+
+def _end_as_asked(pending: list) -> None:
+    """A stop signal came before there was a fork to pass it on to: end as that signal would have."""
+    for signum in pending:
+        if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
 
 def main(argv: list) -> None:
@@ -42,17 +54,25 @@ def main(argv: list) -> None:
     except OSError:   # no server (it ended, or never started): an ordinary start
         conn.close()
         _fallback(module, args)
+    pending = []   # signals that come before the fork's pid: passed on once it is known
+    for sig in _FORWARDED:
+        signal.signal(sig, lambda signum, frame: pending.append(signum))
     env = {**os.environ, "FSDPLAB_LAUNCHED_BY": str(os.getpid())}   # which process the launcher watches
     request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
     socket.send_fds(conn, [len(request).to_bytes(8, "big")], [0, 1, 2])
     conn.sendall(request)
     line = _read_line(conn)
+    if line is None:   # the server was killed (the run is ending): no fork, and no ordinary start
+        os._exit(1)
     if not line:   # the server closed without forking: an ordinary start
         conn.close()
+        _end_as_asked(pending)
         _fallback(module, args)
     pid = int(line)
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+    for signum in pending:
+        os.kill(pid, signum)
     line = _read_line(conn)   # the forked process's wait status, once it has exited
     if not line:              # the server died, and its forks with it
         os._exit(1)
