@@ -8,14 +8,13 @@ import ast
 import contextlib
 import math
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from . import lab as lab_module
 from .runner import (INTERRUPTED, declared_parameters, figures_folder, output_lock, print_table,  # noqa: F401
-                     run_lessons)
+                     run_lessons, stop_signals)
 from .settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent / "notebooks"    # shipped with the package
@@ -150,17 +149,6 @@ def warn_undeclared(paths, parameters) -> list:
     return unknown
 
 
-def _interrupt(signum, frame):
-    """SIGTERM (`timeout`, a CI cancelling) ends a run as Ctrl-C does: summary, cleanup, no stray processes."""
-    raise KeyboardInterrupt
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 @contextlib.contextmanager
 def _backend_environment(backend):
     """FSDPLAB_BACKEND=`backend` for the run (the kernels inherit it), the caller's value back afterwards;
@@ -188,17 +176,15 @@ def run_command(args) -> int:
     warn_undeclared(paths, {**params, **({} if args.world_size is None else {"world_size": args.world_size})})
     out = check_folder("--out", args.out, paths)
     check_folder("--figures", figures_folder(args.figures, out), paths)
-    previous = signal.signal(signal.SIGTERM, _interrupt) if _main_thread() else None
-    try:
+    # SIGTERM (`timeout`, a CI cancelling) ends a run as Ctrl-C does: summary, cleanup, no stray processes
+    with stop_signals() as stop:
         with output_lock(out), _backend_environment(getattr(args, "backend", None)):
             rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress,
                                figures=args.figures)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        stopped = stop is not None and stop.signum is not None
     print_table(rows)
     failed = [r for r in rows if r[1] != "ok"]
-    if any(r[1] == INTERRUPTED for r in rows):
+    if stopped or any(r[1] == INTERRUPTED for r in rows):
         import logging
 
         # the kernel's pending reply, cut off by the interrupt, would end the run with asyncio's traceback

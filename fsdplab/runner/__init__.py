@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +66,141 @@ def _remove_scratch(folder: Path) -> None:
         time.sleep(0.5)
 
 
+class StopSignals:
+    """Ctrl-C and SIGTERM during a run. The first stops the lesson that runs (a KeyboardInterrupt
+    where papermill waits on its kernel) or, between lessons, the run before the next one; later
+    ones only say that the run is stopping: what the first one started (kernel, ranks, temporary
+    folders, the summary) is never cut short, so a second Ctrl-C leaves no traceback or folder."""
+
+    def __init__(self):
+        self.signum = None
+        self.armed = False     # inside `interruptible`, where a KeyboardInterrupt is caught
+        self.noted = False
+
+    def handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            if self.armed:
+                raise KeyboardInterrupt
+        elif not self.noted:
+            self.noted = True
+            # os.write, not print: the main thread may be inside a print to the same stream
+            os.write(2, b"fsdplab: stopping: ending the lesson's kernel and removing its temporary "
+                        b"files; the summary follows\n")
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = False
+
+
+_stop = None   # the run's StopSignals while `stop_signals` holds the handlers
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGINT and SIGTERM as StopSignals for a run (main thread only; elsewhere nothing changes).
+    After a stop both are ignored from then on: the process is ending, and a late signal must not
+    become a traceback, or a death by SIGINT while the interpreter shuts down (which puts Python's
+    own handlers back to the default action)."""
+    global _stop
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    stop = StopSignals()
+    signums = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, stop.handle) for signum in signums}
+    _stop = stop
+    try:
+        yield stop
+    finally:
+        _stop = None
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if stop.signum is None else signal.SIG_IGN)
+
+
+def _interruptible():
+    return _stop.interruptible() if _stop is not None else contextlib.nullcontext()
+
+
+def _stop_requested() -> bool:
+    return _stop is not None and _stop.signum is not None
+
+
+# What a run makes in the temporary folder; each holds OWNER_FILE, naming the process it belongs to.
+TEMP_PREFIXES = ("fsdplab-run-", "fsdplab-forkserver-", "fsdplab-estimates-")
+OWNER_FILE = ".fsdplab-owner"
+
+
+def _process_start(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def owned_temp_dir(prefix: str, folder=None) -> str:
+    """tempfile.mkdtemp, with OWNER_FILE naming this process (pid and start time): a later run
+    removes the folder once that process is gone (`remove_stale_temp`)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=folder)
+    owner = {"pid": os.getpid(), "started": _process_start(os.getpid())}
+    Path(path, OWNER_FILE).write_text(json.dumps(owner))
+    return path
+
+
+def _owner_alive(folder: str) -> bool:
+    """Whether the process named by `folder`'s OWNER_FILE runs (True when the file cannot be read: a
+    folder this release did not make is never taken for a dead run's)."""
+    try:
+        fd = os.open(os.path.join(folder, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as handle:
+            owner = json.loads(handle.read(4096))
+        pid, started = int(owner["pid"]), owner["started"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    now = _process_start(pid)
+    # a pid the system gave to another process since is the owner's end, too
+    return now is not None and (started is None or abs(now - float(started)) < 1.0)
+
+
+def remove_stale_temp(folders=None) -> list:
+    """Remove what killed runs left in the temporary folders: entries named by TEMP_PREFIXES, real
+    folders (not links) owned by this user, whose OWNER_FILE names a process that is gone. Returns
+    the removed paths. Another live run's folders, and anything else, stay."""
+    removed = []
+    folders = folders or [tempfile.gettempdir(), _short_temp_dir() or tempfile.gettempdir()]
+    for folder in dict.fromkeys(folders):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(TEMP_PREFIXES):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _owner_alive(path):
+                continue
+            try:
+                shutil.rmtree(path)   # refuses a link in its place, and follows none inside
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
 def figures_folder(figures, out) -> Path:
     """Where the lessons save figures: `figures` if given, else $FSDPLAB_FIGURES, else `out`/figures."""
     return Path(figures or os.environ.get("FSDPLAB_FIGURES") or Path(out) / "figures").resolve()
@@ -82,13 +219,16 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     (out / "run_info.json").write_text(json.dumps(site.run_info()))   # the machine, for `fsdplab site`
     figures = figures_folder(figures, out)
     # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
-    own_cache = None if os.environ.get("FSDPLAB_ESTIMATE_CACHE") else tempfile.mkdtemp(prefix="fsdplab-estimates-")
+    remove_stale_temp()
+    own_cache = (None if os.environ.get("FSDPLAB_ESTIMATE_CACHE")
+                 else owned_temp_dir("fsdplab-estimates-"))
     ahead = server = server_dir = None
+    scratches = []   # each lesson's temporary folder, removed again once the server's forks are gone
     try:
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
             # The lessons' ranks are forks of one process that imported torch once (fsdplab.runner.forkserver).
             if forkserver.available():
-                server_dir = tempfile.mkdtemp(prefix="fsdplab-forkserver-", dir=_short_temp_dir())
+                server_dir = owned_temp_dir("fsdplab-forkserver-", _short_temp_dir())
                 server = forkserver.start(server_dir)
             if len(paths) > 1 and not parameters:
                 # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.runner.estimates_ahead)
@@ -99,7 +239,11 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
             with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
                 rows = []
                 for i, path in enumerate(paths, 1):
-                    rows.append(_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters, progress))
+                    if _stop_requested():   # stopped between lessons: the rest do not start
+                        rows += [(p.stem, "not run", 0.0, "") for p in paths[i - 1:]]
+                        break
+                    rows.append(_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters,
+                                         progress, scratches))
                     if server is not None and server.poll() is not None:
                         rows[-1] = (*rows[-1][:3], _server_died(server, rows[-1][3]))
                         forkserver.stop(server)      # unsets FSDPLAB_FORKSERVER: the next kernels start directly
@@ -113,6 +257,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
         forkserver.stop(server)
         if server_dir:
             shutil.rmtree(server_dir, ignore_errors=True)
+        for scratch in scratches:   # a kernel stopped while it started may have written after its lesson
+            shutil.rmtree(scratch, ignore_errors=True)
         if own_cache:
             shutil.rmtree(own_cache, ignore_errors=True)
 
@@ -134,7 +280,7 @@ def _short_temp_dir() -> str | None:
     return folder if len(folder) < 60 or not os.path.isdir("/tmp") else "/tmp"
 
 
-def _run_one(path, counter, out, figures, world_size, parameters, progress) -> tuple:
+def _run_one(path, counter, out, figures, world_size, parameters, progress, made) -> tuple:
     """One lesson through papermill: (lesson, status, seconds, detail)."""
     import papermill as pm
 
@@ -143,15 +289,20 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress) -> t
     if world_size is not None and "world_size" in declared:
         params["world_size"] = world_size
     print(f"{counter} {path.stem} {params or ''}", flush=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"fsdplab-run-{path.stem[:2]}-"))
+    scratch = Path(owned_temp_dir(f"fsdplab-run-{path.stem[:2]}-"))
+    made.append(scratch)
     # Papermill rewrites its output after every cell: a full disk would leave a truncated notebook in place of
     # the last run's. It writes beside it, and the whole notebook replaces the old one at the end.
     running = out / f".{path.stem}.running.ipynb"
     t0 = time.perf_counter()
     status, detail = "ok", ""
+    saved_tempdir = tempfile.tempdir
     try:
         with _environment(FSDPLAB_OUT=str(out), FSDPLAB_FIGURES=str(figures),
-                          TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch)):
+                          TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch)), \
+                _interruptible():
+            # the kernel's connection file too: a stop while the kernel starts skips its removal
+            tempfile.tempdir = str(scratch)
             pm.execute_notebook(str(path), str(running), parameters=params, cwd=str(out),
                                 progress_bar=progress, kernel_name="python3",
                                 # The kernel's own log goes to this terminal and holds only
@@ -169,14 +320,67 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress) -> t
     except KeyboardInterrupt:   # Ctrl-C, or SIGTERM (run_command turns it into one): the summary still comes
         status, detail = INTERRUPTED, "stopped while running; the executed notebook shows how far it got"
     finally:
+        if status == INTERRUPTED:
+            _cancel_cut_off_tasks()
+            _kill_kernels()
+        tempfile.tempdir = saved_tempdir
         _remove_scratch(scratch)
         if status == INTERRUPTED:
             _mark_unfinished(running)
-        if not _put_in_place(running, out / path.name):
+        if status == INTERRUPTED and not running.exists():
+            detail = "stopped before papermill wrote its notebook: no executed notebook"
+        elif not _put_in_place(running, out / path.name):
             status = "FAILED"
             detail = (detail + "; " if detail else "") + (f"the executed notebook could not be written in full "
                                                           f"(disk full?): {out / path.name} is the previous run's")
     return path.stem, status, time.perf_counter() - t0, detail
+
+
+def _cancel_cut_off_tasks(wait_s: float = 15.0) -> None:
+    """The interrupt leaves papermill's coroutines (a kernel's start, a cell's reply) pending on the
+    event loop jupyter keeps for this thread; a later run of that loop would resume them after the
+    cleanup (a connection file written into a removed folder, a kernel started). Cancel them now, so
+    that their own cleanup (the kernel stopped, its files removed) runs before the lesson's."""
+    import asyncio
+
+    from jupyter_core.utils import ensure_event_loop
+
+    loop = ensure_event_loop()
+    if loop.is_running() or loop.is_closed():
+        return
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        try:
+            loop.run_until_complete(asyncio.wait(tasks, timeout=wait_s))
+        except Exception:  # noqa: BLE001 - what a cancelled task raises is its own; the run goes on
+            pass
+    for task in asyncio.all_tasks(loop) | set(tasks):
+        if task.done() and not task.cancelled():
+            task.exception()   # retrieved: asyncio would log each as "never retrieved", a traceback
+
+
+def _kill_kernels() -> None:
+    """Kill the kernels this process launched that are still there: one whose start the interrupt cut
+    off belongs to no kernel manager any more, and a launcher that finds the fork server gone starts
+    it the ordinary way, to write into the lesson's folder after the run. (Killing a kernel's fork
+    client makes the server kill its fork.)"""
+    import psutil
+
+    kernels = []
+    for child in psutil.Process().children():
+        try:
+            if "ipykernel_launcher" in child.cmdline():
+                kernels.append(child)
+        except psutil.Error:
+            pass
+    for kernel in kernels:
+        try:
+            kernel.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(kernels, timeout=10)
 
 
 def _mark_unfinished(path: Path) -> None:
