@@ -13,6 +13,7 @@ refused in one line (`ValueError`: which folder, and to choose a new or empty on
 - `clear_owned(folder)`: empty a folder of the lab's; the mark stays.
 - `owned_temp(name)`: TMPDIR/name when it is the lab's (or missing), else a new folder with an
   unpredictable name.
+- `lesson_folder(path, name)`: where a lesson writes its files: an empty folder of the lab's.
 - `replace_owned(folder, build)`: build the new folder beside the old one, then swap them, so a
   failure leaves the old one whole.
 """
@@ -118,6 +119,28 @@ def clear_owned(folder) -> Path:
 def fresh_owned(folder, **kwargs) -> Path:
     """`make_owned`, then emptied: an empty folder of the lab's."""
     return clear_owned(make_owned(folder, **kwargs))
+
+
+def lesson_folder(path: str, name: str, *, what: str = "") -> tuple:
+    """(folder, keep): an empty folder of the lab's where a lesson writes its files, not next to the
+    notebooks.
+
+    `path` given: that folder, kept (a relative path lies under the run's output folder, FSDPLAB_OUT,
+    which `fsdplab run` sets, else under the temporary folder). Not given: `name` in FSDPLAB_OUT, kept
+    with the run's other outputs, else a new temporary folder the lesson deletes at the end (keep
+    False). A folder is emptied only when the lab made it: one that holds anything else, or is a
+    symlink, is refused with a ValueError that names it (`what`: the parameter it came from)."""
+    out = os.environ.get("FSDPLAB_OUT")
+    if not path and not out:
+        return Path(tempfile.mkdtemp(prefix=f"fsdplab-{name[:2]}-")).resolve(), False
+    folder = Path(path or name).expanduser()
+    if folder.is_absolute():
+        return fresh_owned(folder, what=what), True
+    if out:
+        return fresh_owned(Path(out) / folder, what=what), True
+    # Others can write to the temporary folder: nothing below it that is not ours is followed.
+    temp = tempfile.gettempdir()
+    return fresh_owned(Path(temp) / folder, within=temp, mode=0o700, what=what), True
 
 
 _temp_fallbacks: dict = {}

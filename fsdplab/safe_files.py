@@ -16,7 +16,6 @@ import errno
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -186,22 +185,3 @@ def clear_debris(root: Path) -> None:
             os.replace(p, root / f"step-{old.group(1)}")
         elif old or DEBRIS.match(p.name):
             remove(p)
-
-
-def lesson_folder(path: str, name: str) -> tuple:
-    """(folder, keep): where a lesson writes its files, never next to the notebooks.
-
-    `path` given: that folder, wiped first and kept (a relative path lies under the run's output folder,
-    FSDPLAB_OUT, which `fsdplab run` sets, else under the temporary folder). Not given: a new folder `name` in
-    FSDPLAB_OUT, kept with the run's other outputs, else a new temporary folder that the lesson deletes at the
-    end (keep False)."""
-    out = os.environ.get("FSDPLAB_OUT")
-    if not path and not out:
-        return Path(tempfile.mkdtemp(prefix=f"fsdplab-{name[:2]}-")).resolve(), False
-    folder = Path(path or name)
-    if not folder.is_absolute():
-        folder = Path(out or tempfile.gettempdir()) / folder
-    folder = folder.resolve()     # absolute: the ranks' working folder may differ
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    return folder, True

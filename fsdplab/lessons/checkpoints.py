@@ -7,37 +7,17 @@ reshards a checkpoint, and the lesson's exercise checker.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from ..exercises import close, exercise
-from ..owned_folders import fresh_owned
+from .checkers import close, exercise
+from .. import owned_folders
 
 
 def lesson_folder(checkpoint_dir: str = "") -> tuple:
-    """(folder, keep): an empty folder of the lab's for the checkpoints, not next to the notebooks.
-
-    `checkpoint_dir` given: that folder, kept (a relative path lies under the run's output folder,
-    FSDPLAB_OUT, which `fsdplab run` sets, else under the temporary folder). Not given:
-    `05_checkpoints` in FSDPLAB_OUT, kept with the run's other outputs, else a new temporary folder
-    the lesson deletes at the end (keep False). A folder is emptied only when the lab made it
-    (`fsdplab.owned_folders`): one that holds anything else, or is a symlink, is refused with a
-    ValueError that names it."""
-    out = os.environ.get("FSDPLAB_OUT")
-    if not checkpoint_dir and not out:
-        return Path(tempfile.mkdtemp(prefix="fsdplab-05-")).resolve(), False
-    folder = Path(checkpoint_dir or "05_checkpoints")
-    if folder.is_absolute():
-        return fresh_owned(folder, what="checkpoint_dir"), True
-    if out:
-        return fresh_owned(Path(out) / folder, what="checkpoint_dir"), True
-    # Others can write to the temporary folder: nothing below it that is not ours is followed.
-    temp = tempfile.gettempdir()
-    return fresh_owned(Path(temp) / folder, within=temp, mode=0o700, what="checkpoint_dir"), True
+    """(folder, keep): an empty folder of the lab's for the checkpoints (`owned_folders.lesson_folder`)."""
+    return owned_folders.lesson_folder(checkpoint_dir, "05_checkpoints", what="checkpoint_dir")
 
 
 class ReadCounter(FileSystemReader):
