@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..exercises import close, exercise
+from .checkers import close, exercise
 
 # What the posts wrote, as data the lesson checks (not verdicts).
 POSTS_SWIFT_KEYS = ("train", "activation_checkpointing")   # `train: activation_checkpointing: true`

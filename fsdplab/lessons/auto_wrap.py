@@ -11,7 +11,7 @@ import warnings
 
 from torch import nn
 
-from ..exercises import exercise
+from .checkers import exercise
 from .activation_checkpointing import block_names, build, token_batch
 
 # What the posts wrote, as data the lesson checks (not a verdict).

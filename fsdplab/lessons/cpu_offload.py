@@ -5,7 +5,7 @@ from the lesson's numbers, and the lesson's exercise.
 
 from __future__ import annotations
 
-from ..exercises import close, exercise
+from .checkers import close, exercise
 from ..offload import GPUS, RESERVE_GIB, plan, step_time
 from ..settings import GIB
 from .full_finetune import full_finetune_settings

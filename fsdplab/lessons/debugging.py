@@ -19,9 +19,9 @@ import statistics
 import time
 from pathlib import Path
 
-from ..exercises import close, exercise
+from .checkers import close, exercise
 from ..owned_folders import fresh_owned
-from ..runtime.errors import RankDied, RankError, RankHang
+from .. import RankDied, RankError, RankHang
 
 
 def default_timeouts() -> dict:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..exercises import exercise
+from .checkers import exercise
 from ..precision import underflow_fraction
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -70,7 +70,7 @@ def _loss_scale(answer, *, grads, shrink):
 @exercise("04-reduce-bytes")
 def _reduce_bytes(answer, *, measured, params: int, dtypes):
     """Bytes the gradient reduce-scatters of one backward carried on one rank, as the cell re-measured them."""
-    from ..exercises import close
+    from .checkers import close
 
     return close(answer, measured, rel=0.02, unit=" B",
                  hint=f"a reduce-scatter takes every unsharded gradient as input: {params:,} parameters times the "

@@ -8,7 +8,7 @@ is experimental".
 
 from __future__ import annotations
 
-from ..exercises import close, exercise
+from .checkers import close, exercise
 from ..timeline import simulate_step
 
 CLAIM4_RATIO = 0.6          # "40% lower": FSDP = 0.6 x DDP

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..exercises import close, exercise
+from .checkers import close, exercise
 from ..settings import GIB, TrainSetting, check_choice, PRECISIONS
 from .posts import A10_GIB, POSTS_BAND_GIB, POSTS_SETTING
 

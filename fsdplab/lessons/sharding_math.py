@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..exercises import close, exercise
+from .checkers import close, exercise
 from ..settings import GIB, MIB
 
 NOT_AT_ONE_RANK = "not tested at world size 1"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..exercises import exercise
+from .checkers import exercise
 
 
 @exercise("00-hang-seq")

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..exercises import close, exercise
+from .checkers import close, exercise
 
 
 # --- memory: live tensor bytes --------------------------------------------------------------------------

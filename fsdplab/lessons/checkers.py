@@ -1,0 +1,121 @@
+"""The checker registry: each lesson module registers its exercises' checkers here, and `check` finds them.
+
+A lesson registers a checker in its module with `@exercise("02-bytes")`; the learner calls
+`check("02-bytes", answer)` (plus whatever measured values the checker needs, as keywords) and gets a verdict
+with a hint. A checker compares the answer with the lab's own measurement or formula, never with a number
+typed into the checker. Notebooks import `check` and `reveal` from `fsdplab.exercises`.
+
+    @exercise("02-bytes")
+    def _bytes(answer, *, measured):
+        return close(answer, measured, rel=0.05, hint="count one all-gather in forward and one in backward")
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+_CHECKERS: dict = {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `check` answers: `ok` and a message (the hint when not ok). True in an `if` when ok."""
+
+    key: str
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        return f"{self.key}: {'correct' if self.ok else 'not yet'} - {self.message}"
+
+    __repr__ = __str__
+
+    def _ipython_display_(self):
+        """`check` printed the verdict already: a bare `check(...)` ending a cell shows it once, not twice."""
+
+
+class _Line(str):
+    """reveal's printed line, returned for tests; like a Verdict, not displayed a second time in a notebook."""
+
+    def _ipython_display_(self):
+        pass
+
+
+def exercise(key: str):
+    """Register `fn(answer, **measured) -> (ok, message)` as the checker of exercise `key` ("NN-name")."""
+    def register(fn):
+        if key in _CHECKERS and _CHECKERS[key] is not fn:
+            raise ValueError(f"exercise {key!r} is registered twice ({_CHECKERS[key].__module__} and "
+                             f"{fn.__module__}): give one of them another name.")
+        _CHECKERS[key] = fn
+        return fn
+    return register
+
+
+def _load_lessons(key: str | None = None) -> None:
+    """Import the lesson module that registers exercise `key` ("02-bytes": lesson 02's module), or every lesson
+    module when `key` is None; their @exercise decorators fill the registry."""
+    from . import MODULES
+
+    numbers = [key[:2]] if key and key[:2] in MODULES else list(MODULES)
+    for number in numbers:
+        importlib.import_module(f"{__package__}.{MODULES[number]}")
+
+
+def keys() -> list:
+    """Every registered exercise, sorted (lesson number first)."""
+    _load_lessons()
+    return sorted(_CHECKERS)
+
+
+def check(key: str, answer, /, **measured) -> Verdict:
+    """Check `answer` to exercise `key`; prints the verdict (so a bare call in a cell shows it) and returns it."""
+    _load_lessons(key)
+    if key not in _CHECKERS:
+        _load_lessons()         # a key with a typo in its number: name every exercise in the error
+        import difflib
+
+        close_keys = difflib.get_close_matches(key, _CHECKERS, n=3)
+        hint = f" Did you mean {', '.join(map(repr, close_keys))}?" if close_keys else ""
+        raise ValueError(f"no exercise {key!r}.{hint} Known: {', '.join(sorted(_CHECKERS))}.")
+    if answer is None or answer is ...:
+        verdict = Verdict(key, False, "no answer yet: replace the placeholder with your answer and run the cell again.")
+    else:
+        ok, message = _CHECKERS[key](answer, **measured)
+        verdict = Verdict(key, bool(ok), message)
+    print(verdict)
+    return verdict
+
+
+def close(answer, expected, *, rel: float = 0.05, hint: str = "", unit: str = "") -> tuple:
+    """(ok, message) for a numeric answer within `rel` (relative) of `expected`."""
+    if isinstance(answer, (bool, str)):      # float(True) is 1.0 and float("2") is 2.0: neither is an answer
+        return False, f"expected a number, got {answer!r}."
+    try:
+        value = float(answer)
+    except (TypeError, ValueError):
+        return False, f"expected a number, got {answer!r}."
+    if not math.isfinite(value):
+        return False, f"expected a finite number, got {value!r}."
+    expected = float(expected)
+    off = abs(value - expected) / max(abs(expected), 1e-300)
+    if off <= rel:
+        return True, f"{value:g}{unit} is within {rel:.0%} of the measured {expected:g}{unit}."
+    direction = "high" if value > expected else "low"
+    return False, f"{value:g}{unit} is {off:.0%} too {direction}." + (f" Hint: {hint}" if hint else "")
+
+
+def reveal(prediction, measured, what: str, unit: str = "") -> str:
+    """The line after a "predict, then run" prompt: the learner's prediction next to the measured value."""
+    if prediction is None or prediction is ...:
+        line = f"{what}: measured {measured:g}{unit} (no prediction made: set it before running next time)"
+    else:
+        off = (float(prediction) - measured) / measured if measured else float("inf")
+        line = f"{what}: you predicted {float(prediction):g}{unit}, measured {measured:g}{unit} ({off:+.0%})"
+    print(line)
+    return _Line(line)
