@@ -33,6 +33,7 @@ from torch import nn
 
 from . import checksums
 from . import safe_files as files
+from .owned_folders import MARK
 from .ranks import this_rank, this_world_size
 from .safe_files import CheckpointDiskFull  # raised below; callers catch it as checkpoint.CheckpointDiskFull
 
@@ -371,11 +372,13 @@ def _verified(checkpoint: Path, fallback: bool, trust_unverified: bool) -> Path:
 
 
 def checkpoint_files(root) -> list:
-    """(relative path, bytes) of every file under `root`, sorted: what a directory listing shows."""
+    """(relative path, bytes) of every file under `root`, sorted: what a directory listing shows, less the
+    lab's own folder mark (`owned_folders.MARK`), which is no part of a checkpoint."""
     root = Path(root)
     if not root.exists():
         return []
-    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
+                  if p.is_file() and p != root / MARK)
 
 
 def shard_bytes(checkpoint) -> dict:

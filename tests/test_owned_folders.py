@@ -188,3 +188,12 @@ def test_lesson_10s_dump_folders_are_emptied_only_when_the_lab_made_them(tmp_pat
     (dumps / "rank_0").write_bytes(b"an earlier dump")
     dbg.plant(cluster, "pass", timeout=1, dump_dir=dumps)     # the lab's folder: emptied again
     assert [p.name for p in dumps.iterdir()] == [owned.MARK] and len(cluster.calls) == 4
+
+
+def test_a_checkpoint_listing_leaves_out_the_lab_s_mark(tmp_path):
+    # Lesson 05 prints checkpoint_files of a folder the lab made: the mark is no file of the checkpoint.
+    from fsdplab.checkpoint import checkpoint_files
+
+    folder = owned.make_owned(tmp_path / "ckpt")
+    (folder / "latest").write_text("step-1")
+    assert checkpoint_files(folder) == [("latest", 6)]
