@@ -1,7 +1,7 @@
 """Published per-GPU peaks against the estimate: `python benchmarks/published.py` prints the markdown table of
-fsdplab.published.CASES (the data, with sources and tolerances). Each case is one full-scale estimate.
+fsdplab.memory.published.CASES (the data, with sources and tolerances). Each case is one full-scale estimate.
 
-`--h200` instead re-estimates the rows measured on an H200 (fsdplab.gpu_measured) that CI does not (the 7B ones,
+`--h200` instead re-estimates the rows measured on an H200 (fsdplab.memory.gpu_measured) that CI does not (the 7B ones,
 about 10 s each on 2 cores), checks each as tests/test_gpu_measured.py checks the small ones, and prints them;
 `--all` takes every comparable row."""
 
@@ -10,8 +10,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fsdplab import gpu_measured  # noqa: E402
-from fsdplab.published import CASES, compare, table  # noqa: E402
+from fsdplab.memory import gpu_measured  # noqa: E402
+from fsdplab.memory.published import CASES, compare, table  # noqa: E402
 
 
 def h200(every: bool) -> int:

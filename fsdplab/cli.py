@@ -267,7 +267,7 @@ def estimate_command(args) -> int:
     from .memory import estimate
     from .models import resolve_model
     from .settings import TrainSetting
-    from .sweep import check, sweep
+    from .memory.sweep import check, sweep
 
     from .settings import MAX_WORLD_SIZE, WORLD_SIZE_BOUND
 
@@ -315,7 +315,9 @@ def estimate_command(args) -> int:
         result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
                        gpu_mem_gib=args.gpu_mem_gib, workers=args.workers)
         if args.plot:
-            result.plot(args.plot)
+            from .display import plot_sweep
+
+            plot_sweep(result, args.plot)
         print(json.dumps(result.to_dict()) if args.json else result.table())
         if args.plot and not args.json:
             print(f"heat map: {args.plot}")

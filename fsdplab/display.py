@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ._torch_private import CATEGORIES
 from .owned_folders import owned_temp
-from .report import CATEGORY_LABELS
+from .memory.report import CATEGORY_LABELS
 from .settings import GIB, MIB
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
@@ -170,6 +170,29 @@ def draw_heatmap(ax, seq_lens, batch_sizes, grid_gib, exact_gib=None, gpu_gib=24
     ax.set_ylabel("micro-batch per GPU (sequences)")
     return image
 
+
+def plot_sweep(sweep, path) -> None:
+    """A heat map per world size of a memory.Sweep (rows micro-batch, columns sequence length), hatched over
+    the card, saved at `path`."""
+    from matplotlib.figure import Figure
+
+    unit, per = sweep.unit()
+    capacity = sweep.gpu_mem_gib * GIB / per     # the card, in the plot's unit
+    panels = len(sweep.world_sizes)
+    fig = Figure(figsize=(max(6.5, (2.4 + 0.9 * len(sweep.seq_lens)) * panels),
+                          1.8 + 0.6 * len(sweep.batch_sizes)), layout="constrained")
+    for ax, world_size in zip(fig.subplots(1, panels, squeeze=False)[0], sweep.world_sizes):
+        image = draw_heatmap(ax, sweep.seq_lens, sweep.batch_sizes, sweep.grid(world_size, per),
+                             gpu_gib=capacity)
+        bar = fig.colorbar(image, ax=ax, label=f"peak per GPU ({unit})")
+        bar.ax.axhline(capacity, color="black", linewidth=2)
+        low, high = image.norm.vmin, image.norm.vmax   # a tick at the card, none crowding it
+        bar.set_ticks([t for t in bar.get_ticks()
+                       if low <= t <= high and abs(t - capacity) > (high - low) / 12] + [capacity])
+        ax.set_title(f"world size {world_size}", fontsize=10)
+    fig.suptitle(f"{sweep.setting.model_name}: {sweep.description()}\nexact peak per GPU ({unit}); "
+                 f"hatched: over the {sweep.gpu_mem_gib:g} GiB card (black line)", fontsize=9)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 def exact_marker(ax, x, height, label="exact (estimate)"):
     """The gold star that marks an exact estimate on a formula bar (`height` in the axis' unit). The axis is
@@ -346,7 +369,7 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     line. The "exact" button runs `estimate` (FSDP strategies) for the current setting and marks it."""
     import ipywidgets as W
 
-    from .formula import formula
+    from .memory.formula import formula
     from .models import MODELS
     from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS, STRATEGIES, TrainSetting
 

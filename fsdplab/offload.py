@@ -96,13 +96,13 @@ def ledger(model="qwen-7b", world_size: int = 8, *, cpu_offload: bool = False, l
            seq_len: int = 2048, batch_size: int = 1, precision: str = "bf16",
            activation_checkpointing: bool = True) -> dict:
     """Per-rank bytes on the GPU and on the host, by category, for FSDP2 FULL_SHARD + AdamW
-    (`fsdplab.formula.formula`). Offload moves the resident shards (fp32 parameters, gradients, optimizer
+    (`fsdplab.memory.formula`). Offload moves the resident shards (fp32 parameters, gradients, optimizer
     state) to the host; the gathered units in flight, their gradients, activations and buffers stay.
 
     `model`: a name of `fsdplab.models.MODELS`, a transformers config, or a parameter count such as 13e9
     (a Llama-like shape is derived: see `llama_like`).
     """
-    from .formula import formula
+    from .memory.formula import formula
 
     if isinstance(model, (int, float)):
         model = llama_like(model)
@@ -296,7 +296,7 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
     """
     if gpu_mem_gib <= 0 or num_params <= 0 or world_size < 1:
         raise ValueError("gpu_mem_gib, num_params and world_size must be positive.")
-    from .formula import spec_of
+    from .memory.formula import spec_of
 
     budget = (gpu_mem_gib - RESERVE_GIB) * GIB
     spec = llama_like(num_params)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from fsdplab.allocator import CachingAllocator, replay, round_size, segment_size
+from fsdplab.memory.allocator import CachingAllocator, replay, round_size, segment_size
 from fsdplab.memory import estimate
 
 MiB = 1 << 20
@@ -97,8 +97,8 @@ def test_an_estimate_reports_reserved_memory_above_its_active_peak():
 
 
 def test_nvidia_smis_extra_is_the_h200_measurement_at_world_size_1_and_an_assumption_above():
-    from fsdplab import gpu_measured
-    from fsdplab.allocator import allocator_view
+    from fsdplab.memory import gpu_measured
+    from fsdplab.memory.allocator import allocator_view
     from fsdplab.settings import TrainSetting
 
     replayed = {"reserved": 10 * GiB, "reserved_expandable": 9 * GiB, "segments": 3, "allocated_peak": 9 * GiB}

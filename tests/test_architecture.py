@@ -69,17 +69,6 @@ WING_OF = {
     "fsdplab.owned_folders": "instruments",
     # the estimator
     "fsdplab.memory": "memory",
-    "fsdplab.formula": "memory",
-    "fsdplab.report": "memory",
-    "fsdplab.allocator": "memory",
-    "fsdplab.block_repeat": "memory",
-    "fsdplab.sweep": "memory",
-    "fsdplab.estimate_cache": "memory",
-    "fsdplab.estimate_process": "memory",
-    "fsdplab.published": "memory",
-    "fsdplab.gpu_measured": "memory",
-    "fsdplab.offload_view": "memory",
-    "fsdplab.local_shards": "memory",
     # the bottom: the ranks behind the notebook, and every private torch API
     "fsdplab.runtime": "runtime",
     "fsdplab._torch_private": "_torch_private",
@@ -92,14 +81,10 @@ _RANKS = ("rank(), device() and mesh() are the face's names for state the runtim
 KNOWN_EXCEPTIONS = {
     ("fsdplab.checkpoint", "fsdplab.ranks"): _RANKS,
     ("fsdplab.comms", "fsdplab.ranks"): _RANKS,
-    ("fsdplab.memory", "fsdplab.ranks"): _RANKS,
+    ("fsdplab.memory.exact", "fsdplab.ranks"): _RANKS,
     ("fsdplab.safe_files", "fsdplab.ranks"): _RANKS,
     ("fsdplab.sharding", "fsdplab.ranks"): _RANKS,
     ("fsdplab.timeline", "fsdplab.ranks"): _RANKS,
-    ("fsdplab.sweep", "fsdplab.display"):
-        "Sweep's figure draws with the face's draw_heatmap: gone when the figure moves to display",
-    ("fsdplab._torch_private.tracker", "fsdplab.allocator"):
-        "the tracker reads the allocator's STREAM_OF table: gone when the table moves down with it",
 }
 
 

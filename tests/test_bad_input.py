@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import fsdplab.memory
-import fsdplab.sweep
+import fsdplab.memory.sweep
 from fsdplab import cli
 from fsdplab.models import resolve_model
 from fsdplab.settings import TrainSetting
@@ -111,7 +111,7 @@ def _no_work(*args, **kwargs):
 def no_work(monkeypatch):
     """The estimator, the sweep, the meta-device check and the lesson runner fail if called."""
     for module, name in ((fsdplab.memory, "estimate"), (fsdplab.memory, "memory_snapshot"),
-                         (fsdplab.sweep, "sweep"), (fsdplab.sweep, "check"), (cli, "run_lessons")):
+                         (fsdplab.memory.sweep, "sweep"), (fsdplab.memory.sweep, "check"), (cli, "run_lessons")):
         monkeypatch.setattr(module, name, _no_work)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 

@@ -1,9 +1,9 @@
-"""The estimator traces 8 blocks of a deep model and repeats a middle one (fsdplab.block_repeat): the step it
+"""The estimator traces 8 blocks of a deep model and repeats a middle one (fsdplab.memory.block_repeat): the step it
 makes must be the step a trace of every block gives, event by event, and so must every number of the report."""
 
 import pytest
 
-from fsdplab import block_repeat, memory
+from fsdplab.memory import block_repeat, exact
 from fsdplab.memory import estimate
 from fsdplab.models import tiny_twin
 from fsdplab.settings import TrainSetting
@@ -44,8 +44,8 @@ def test_the_repeated_step_is_the_traced_step_event_by_event(monkeypatch, change
 
     monkeypatch.setattr(block_repeat, "deepen", keep)
     say = lambda message: None   # noqa: E731
-    memory._trace_steps(setting, block_repeat.shallow_twin(setting, DEEP), say, True, repeat_to=13)
-    memory._trace_steps(setting, DEEP, say, True, repeat_to=13)
+    exact._trace_steps(setting, block_repeat.shallow_twin(setting, DEEP), say, True, repeat_to=13)
+    exact._trace_steps(setting, DEEP, say, True, repeat_to=13)
     (pre_repeated, repeated, m), (pre_traced, traced, _) = made
     assert 2 <= m <= 5
     assert pre_repeated == pre_traced
@@ -85,7 +85,7 @@ def test_a_step_whose_blocks_do_not_repeat_is_traced_in_full(monkeypatch):
     lines = []
     monkeypatch.setattr(block_repeat._Step, "middle", refuse)
     report = estimate(BASE, progress=False, subprocess_mode=False)
-    runs = memory._fake_steps(BASE, DEEP, lines.append, True)
+    runs = exact._fake_steps(BASE, DEEP, lines.append, True)
     assert [traced for _, _, traced in runs] == [None]
     assert any("do not repeat exactly (made up for the test): tracing all 13" in line for line in lines)
     assert not any("blocks traced" in n for n in report.notes)
@@ -107,7 +107,7 @@ def test_a_sweep_repeats_the_blocks_for_each_point(monkeypatch):
 
 
 def test_a_run_caches_repeated_and_fully_traced_estimates_apart(monkeypatch, tmp_path):
-    from fsdplab import estimate_cache
+    from fsdplab.memory import cache as estimate_cache
 
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     repeated = estimate_cache.cache_path(BASE)

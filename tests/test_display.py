@@ -86,7 +86,7 @@ def test_heatmap_numbers_stay_readable_over_hatching():
 
 
 def test_draw_stacked_keeps_clipping_bars_far_above_the_line():
-    from fsdplab.formula import formula
+    from fsdplab.memory.formula import formula
 
     fig, ax = plt.subplots()
     reports = [formula(model="llama2-70b", world_size=64, strategy=s) for s in ("ddp", "full_shard")]

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from fsdplab.cli import main
+from fsdplab.display import plot_sweep
 from fsdplab.memory import MemoryReport
 from fsdplab.models import resolve_model
 from fsdplab.settings import GIB, TrainSetting
-from fsdplab.sweep import Sweep
+from fsdplab.memory.sweep import Sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -198,5 +199,5 @@ def test_sweep_table_marks_what_does_not_fit(tmp_path):
     table = result.table()
     assert "8 points in 12 s (2 workers)" in table and "world size 4" in table and "world size 8" in table
     assert "64.00*" in table and " 16.00 " in table      # 1024 x 2 on 4 ranks does not fit; 1024 x 1 on 8 does
-    result.plot(tmp_path / "two_panels.png")
+    plot_sweep(result, tmp_path / "two_panels.png")
     assert (tmp_path / "two_panels.png").stat().st_size > 10_000

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdplab.cli import main
-from fsdplab.formula import formula
+from fsdplab.memory.formula import formula
 from fsdplab.memory import estimate
 from fsdplab.models import tiny_twin
 from fsdplab.settings import TrainSetting
@@ -167,7 +167,7 @@ def test_resharding_to_a_smaller_group_holds_more_between_forward_and_backward(c
 
 def test_a_sweep_builds_its_fake_model_once_and_gets_every_points_own_numbers(tmp_path, monkeypatch):
     from fsdplab.memory import estimate_group
-    from fsdplab.sweep import _chunks
+    from fsdplab.memory.sweep import _chunks
 
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     points = [BASE.replace(seq_len=s, batch_size=b, lora_rank=8) for s in (256, 512) for b in (1, 2)]

@@ -1,9 +1,9 @@
-"""fsdplab.estimate_process: the one way estimates run out of process; progress comes back as it happens, errors
+"""fsdplab.memory.workers: the one way estimates run out of process; progress comes back as it happens, errors
 with the worker's message, and the worker is a spawned process without the caller's rank variables."""
 
 import pytest
 
-from fsdplab.estimate_process import Workers, estimate_elsewhere
+from fsdplab.memory.workers import Workers, estimate_elsewhere
 from fsdplab.memory import estimate_here, estimate
 from fsdplab.settings import TrainSetting
 

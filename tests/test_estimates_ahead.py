@@ -9,7 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from fsdplab import cli, estimate_cache, lessons, memory, sweep
+from fsdplab import cli, lessons, memory
+from fsdplab.memory import cache as estimate_cache, sweep
 from fsdplab.runner import estimates_ahead
 from fsdplab.lessons.activation_checkpointing import estimate_settings
 from fsdplab.lessons.cpu_offload import exact_settings
@@ -78,11 +79,11 @@ def test_started_in_the_background_at_the_lowest_priority_and_stopped_with_nothi
 
 
 def test_one_module_starts_estimate_processes():
-    """Every estimate out of process goes through fsdplab.estimate_process (one set-up, one way to stop it)."""
-    package = Path(memory.__file__).parent
+    """Every estimate out of process goes through fsdplab.memory.workers (one set-up, one way to stop it)."""
+    package = Path(memory.__file__).parent.parent
     starts = re.compile(r"ProcessPoolExecutor\(|multiprocessing\.(Process|Pool)\(|get_context\(|-m\", \"fsdplab\.(memory|estimates_ahead)")
     found = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if starts.search(p.read_text()))
-    assert found == ["estimate_process.py"], found
+    assert found == ["memory/workers.py"], found
 
 
 def test_runs_of_several_lessons_at_their_defaults_estimate_ahead(tmp_path, monkeypatch):

@@ -1,11 +1,11 @@
-"""The exact estimator against peaks measured on a real GPU (fsdplab.gpu_measured: one H200, torch 2.11.0+cu130).
+"""The exact estimator against peaks measured on a real GPU (fsdplab.memory.gpu_measured: one H200, torch 2.11.0+cu130).
 Each small row is estimated afresh here, on the CPU: it must still give the figures it gave when the GPU measured
 (so a change to the estimator that breaks the agreement fails here), and stay within the measured agreement of
 the GPU's own numbers. The 7B rows take too long for CI: `python benchmarks/published.py --h200 --all`."""
 
 import pytest
 
-from fsdplab import gpu_measured as G
+from fsdplab.memory import gpu_measured as G
 
 CI_ROWS = [r for r in G.ROWS if r.in_ci]
 

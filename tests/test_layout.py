@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fsdplab import _torch_private
-from fsdplab.formula import formula, spec_of
+from fsdplab.memory.formula import formula, spec_of
 from fsdplab.models import MODELS, PARAM_COUNTS, ModelEntry, causal_lm, count_params
 from fsdplab.settings import TrainSetting, as_setting
 from fsdplab.sharding import build_tiny, loss_of, make_optimizer, train_step
@@ -136,7 +136,7 @@ def test_the_runtime_shares_no_private_names_and_knows_nothing_of_the_runner():
     assert crossing == [], crossing
     # the fork server, the estimates made ahead and the run's folders serve `fsdplab run` only
     runner = [(str(p.relative_to(PACKAGE)), module) for p in runtime for module, _ in _from_imports(p)
-              if module.startswith(("fsdplab.runner", "fsdplab.runner.estimates_ahead", "fsdplab.estimate_cache"))]
+              if module.startswith(("fsdplab.runner", "fsdplab.runner.estimates_ahead", "fsdplab.memory.cache"))]
     assert runner == [], runner
     # every launcher is a class of its own file, found by its kind
     from fsdplab.runtime import launchers

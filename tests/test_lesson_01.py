@@ -8,7 +8,7 @@ import papermill as pm
 import pytest
 
 from fsdplab.exercises import check
-from fsdplab.formula import formula
+from fsdplab.memory.formula import formula
 from fsdplab.lessons import sharding_math as S
 from fsdplab.settings import GIB
 

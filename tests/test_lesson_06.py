@@ -10,7 +10,7 @@ import papermill as pm
 import pytest
 
 from fsdplab.exercises import check
-from fsdplab.formula import formula
+from fsdplab.memory.formula import formula
 from fsdplab.lessons import full_finetune as F, qwen7b_lora as Q
 from fsdplab.lessons.full_finetune import full_finetune_settings
 from fsdplab.models import PARAM_COUNTS, hf_config
@@ -88,8 +88,9 @@ def test_fixed_statements_stay_fixed():
 def test_estimates_read_back_and_deduplicated_start_no_worker(tmp_path, monkeypatch):
     # an estimate this run already made (FSDPLAB_ESTIMATE_CACHE) is read back, and a setting listed twice is
     # looked up once: with every setting cached, no worker process starts
-    from fsdplab import estimate_cache, memory
-    from fsdplab.sweep import start_estimates
+    from fsdplab import memory
+    from fsdplab.memory import cache as estimate_cache
+    from fsdplab.memory.sweep import start_estimates
 
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     plain, ckpt = full_finetune_settings()
@@ -106,7 +107,7 @@ def test_estimates_read_back_and_deduplicated_start_no_worker(tmp_path, monkeypa
 
 def test_estimates_that_failed_fail_again_when_asked_twice(tmp_path, monkeypatch):
     # a failed estimate is an error at every result(), never a list of None the second time
-    from fsdplab.sweep import start_estimates
+    from fsdplab.memory.sweep import start_estimates
 
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     bad = full_finetune_settings()[0].replace(model="tiny", world_size=2, lora_rank=8, lora_targets=("no_such_layer",))
@@ -133,7 +134,7 @@ def test_the_miniatures_gap_bound_is_per_device_and_the_notebook_uses_it():
 
 
 def test_the_lesson_shows_what_an_h200_measured_of_its_model():
-    from fsdplab import gpu_measured
+    from fsdplab.memory import gpu_measured
 
     rows = Q.h200_rows()
     assert rows and all(r.model == "qwen-7b" and not r.not_comparable for r in rows)

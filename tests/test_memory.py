@@ -7,7 +7,7 @@ import pytest
 
 from fsdplab._torch_private import CATEGORIES
 from fsdplab.display import memory_dashboard
-from fsdplab.formula import formula, spec_of
+from fsdplab.memory.formula import formula, spec_of
 from fsdplab.memory import MemoryReport, estimate, measure_setting
 from fsdplab.settings import GIB, TrainSetting
 
@@ -272,7 +272,7 @@ def test_cpu_offload_has_a_gpu_view_of_what_stays_on_the_gpu():
 
 
 def test_the_gpu_side_of_an_offloaded_step():
-    from fsdplab.offload_view import gpu_side_log
+    from fsdplab.memory.offload_view import gpu_side_log
 
     preloaded = [(1, 4096, "Sharded Param"), (2, 1024, "Buffer")]
     events = [("+", 3, 8192, "Unsharded Param"), ("c", {}), ("+", 4, 2048, "Reduce Scatter"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdplab import offload as O
-from fsdplab.formula import spec_of
+from fsdplab.memory.formula import spec_of
 from fsdplab.lessons import cpu_offload as L
 from fsdplab.settings import GIB
 
@@ -215,7 +215,7 @@ def test_lesson03_claim15_label():
 
 def test_lesson03_host_gib_checker_right_and_wrong():
     from fsdplab.exercises import check, keys
-    from fsdplab.formula import formula
+    from fsdplab.memory.formula import formula
     from fsdplab.models import PARAM_COUNTS
 
     assert "03-host-gib" in keys()

@@ -1,9 +1,9 @@
-"""Published per-GPU peaks measured on real GPUs (fsdplab.published.CASES, with their sources): the estimate of each
+"""Published per-GPU peaks measured on real GPUs (fsdplab.memory.published.CASES, with their sources): the estimate of each
 stays within the tolerance the case states, for the reason it states."""
 
 import pytest
 
-from fsdplab.published import CASES, compare
+from fsdplab.memory.published import CASES, compare
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -153,7 +153,7 @@ def test_ctrl_c_while_estimates_run_in_the_background(tmp_path):
     lesson = tiny_notebook(
         tmp_path / "a.ipynb",
         "from fsdplab.models import resolve_model\nfrom fsdplab.settings import TrainSetting\n"
-        "from fsdplab.sweep import start_estimates\n"
+        "from fsdplab.memory.sweep import start_estimates\n"
         "pending = start_estimates([TrainSetting(model=resolve_model('tiny'), world_size=2, seq_len=s)"
         " for s in (64, 128, 256, 512)], workers=2)\nprint('SWE' + 'EPING', flush=True)",
         "import time; time.sleep(120)", "pending.result()")

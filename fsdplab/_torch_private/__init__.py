@@ -43,6 +43,12 @@ TRACKER_TO_CATEGORY = {
     "Gradient": "gradients",
     "Optstate": "optimizer_state",
 }
+
+# The stream a traced tensor's tracker category was allocated on, under FSDP2 on a GPU: the all-gather output
+# on the all-gather stream, the reduce-scatter buffers on the reduce-scatter stream, all else on the default one
+# (the allocation log the tracker writes carries it; fsdplab.memory.allocator replays that log).
+STREAM_OF = {"All Gather": 1, "Reduce Scatter": 2}
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers", "other")
 # What CPU offload moves off the GPU (FSDP2 CPUOffloadPolicy: sharded params and grads live on the
 # host and the optimizer steps there).

@@ -1,7 +1,7 @@
 """The memory tracker behind `memory.estimate` and `memory.measure`: torch's MemTracker / FSDPMemTracker (private
 `torch.distributed._tools`) with the peaks fsdplab reports: the global peak and its moment, each category's own
 maximum, the peak of what stays on the device under CPU offload, the memory over the step, and the allocation log
-that `fsdplab.allocator` replays. Its shortcuts on fake tensors change no byte it reports."""
+that `fsdplab.memory.allocator` replays. Its shortcuts on fake tensors change no byte it reports."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ class _PeakTracker:
             return hook
         tracker._user_pre_fw_hook, tracker._user_pre_bw_hook = map(noting, self._hooks_before)
 
-    # The allocation and free sequence from the last reset_peak (fsdplab.allocator replays it): None until then.
+    # The allocation and free sequence from the last reset_peak (fsdplab.memory.allocator replays it): None until then.
     alloc_log, alloc_preloaded, _serials = None, 0, None
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
@@ -167,7 +167,7 @@ class _PeakTracker:
         return serial
 
     def _malloc_event(self, winfo, where: bool = True) -> tuple:
-        from ..allocator import STREAM_OF
+        from . import STREAM_OF
 
         kind = getattr(winfo.reftype, "value", "")
         label = kind
@@ -187,7 +187,7 @@ class _PeakTracker:
         if self.record_blocks is not None:
             self._start_events(alive)
 
-    # --- the step as events (fsdplab.block_repeat): what changed, and each look for peaks --------------------
+    # --- the step as events (fsdplab.memory.block_repeat): what changed, and each look for peaks --------------------
     # Set `record_blocks` to the model's blocks before reset_peak. From then on `events` holds, in order,
     # ("+", serial, bytes, kind) and ("-", ...) for an allocation and a free, ("r", serial, bytes, old kind,
     # kind) for a relabel, ("s", serial, old bytes, bytes, kind) for a resize, ("c", moment) where the tracker
@@ -421,12 +421,12 @@ class _PeakTracker:
 
 def replay_step(tracker, preloaded, events, offload: bool = False):
     """What `_update_peak_stats` and the allocation log would have given for a step recorded as `events`
-    (fsdplab.block_repeat makes such a step from a traced one): (peak, six categories at the peak, raw
+    (fsdplab.memory.block_repeat makes such a step from a traced one): (peak, six categories at the peak, raw
     categories at the peak, each category's peak, the moment of the peak, the memory over the step, the
     allocation log or None under offload, {mark name or "end": raw categories then})."""
     from types import SimpleNamespace
 
-    from ..allocator import STREAM_OF
+    from . import STREAM_OF
 
     if len(tracker.start) != 1:
         raise ValueError("a recorded step replays on one device")

@@ -32,10 +32,10 @@ def exact_reports(workers: int = 2, exact: bool = True) -> dict:
     for all three; the first two are the reports `full_finetune.full_finetune_reports()` computes), or with
     exact=False the formula's (instant, approximate: for quick runs)."""
     if not exact:
-        from ..formula import formula
+        from ..memory.formula import formula
 
         return {label: formula(s) for label, s in zip(EXACT_LABELS, exact_settings())}
-    from ..sweep import estimate_all
+    from ..memory.sweep import estimate_all
 
     return dict(zip(EXACT_LABELS, estimate_all(exact_settings(), workers=workers)))
 

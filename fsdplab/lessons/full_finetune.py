@@ -24,7 +24,7 @@ def full_finetune_reports(workers: int = 2) -> list:
 def start_full_finetune_reports(workers: int = 2):
     """full_finetune_reports() started in worker processes, returning at once (a lesson starts them before
     its live ranks and collects them later): `.result()` gives [no checkpointing, with]."""
-    from ..sweep import start_estimates
+    from ..memory.sweep import start_estimates
 
     return start_estimates(full_finetune_settings(), workers=workers)
 

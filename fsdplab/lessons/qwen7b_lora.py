@@ -58,7 +58,7 @@ def qwen_v1_counts(rank: int = 64, config=None) -> dict:
 
 def formula_grid(seq_lens, batch_sizes, base: TrainSetting = POSTS_SETTING) -> list:
     """Peak GiB from the formula: rows = micro-batch sizes, columns = sequence lengths."""
-    from ..formula import formula
+    from ..memory.formula import formula
 
     return [[formula(base, seq_len=s, batch_size=b).peak_bytes / GIB for s in seq_lens] for b in batch_sizes]
 
@@ -143,7 +143,7 @@ def lora_dashboard(gpu_gib: float = A10_GIB, **start):
     import ipywidgets as W
 
     from ..display import Dashboard, exact_in_background, exact_marker
-    from ..formula import formula
+    from ..memory.formula import formula
 
     s = setting(**start)
     controls = {
@@ -261,7 +261,7 @@ def mini_gap_bound(backend: str) -> float:
 
 
 def h200_rows() -> list:
-    """The rows measured on an H200 (fsdplab.gpu_measured) of the models this lesson sizes: Qwen-7B LoRA r=64."""
-    from ..gpu_measured import ROWS
+    """The rows measured on an H200 (fsdplab.memory.gpu_measured) of the models this lesson sizes: Qwen-7B LoRA r=64."""
+    from ..memory.gpu_measured import ROWS
 
     return [r for r in ROWS if r.model == "qwen-7b"]

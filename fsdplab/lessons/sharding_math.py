@@ -119,7 +119,7 @@ def claim18_word(max_saving_bytes: float, claimed_saving_bytes: float) -> str:
 @exercise("01-shard-bytes")
 def _shard_bytes(answer, *, shape, world_size: int, itemsize: int = 4):
     """Bytes one rank stores of a weight of `shape` sharded over `world_size` ranks by FSDP2 (fp32)."""
-    from ..formula import shard_numel
+    from ..memory.formula import shard_numel
 
     return close(answer, shard_numel(shape, world_size) * itemsize, rel=0.0, unit=" B",
                  hint="FSDP2 cuts dim 0 (rows) into world_size equal chunks of ceil(rows / world_size) rows; "
@@ -140,7 +140,7 @@ def _state_bytes(answer, *, report, params: int):
 def _pure_bf16(answer, *, model: str = "llama2-7b"):
     """GiB of model state per DDP rank with bf16 weights, bf16 gradients and bf16 Adam moments (no fp32
     master copy), against the lab's formula."""
-    from ..formula import formula
+    from ..memory.formula import formula
 
     report = formula(model=model, world_size=8, strategy="ddp", precision="bf16", base_dtype="bf16")
     return close(answer, sum(report.resident.values()) / GIB, rel=0.03, unit=" GiB",

@@ -7,7 +7,7 @@ cores idle (waiting on ranks, kernels and hang timeouts) and yields to them othe
 finished when a lesson needs it is estimated by the lesson, as without it. Only runs at the lessons' default
 parameters make estimates ahead: other parameters may ask for other settings.
 
-`start` runs `estimate_for` in one background worker of fsdplab.estimate_process (lowest priority, a session
+`start` runs `estimate_for` in one background worker of fsdplab.memory.workers (lowest priority, a session
 of its own, gone with the run).
 """
 
@@ -43,7 +43,7 @@ def start(paths, cache: str):
     """Start estimating `settings_for(paths)` into `cache` in a background worker at the lowest priority; returns
     the worker and its future (for `stop`). The worker itself works out the settings: importing the lesson
     modules takes CPU the first lesson needs."""
-    from ..estimate_process import Workers
+    from ..memory.workers import Workers
 
     worker = Workers(1, background=True)
     return worker, worker.submit(estimate_for, [Path(p).stem for p in paths], str(cache))
@@ -57,7 +57,7 @@ def stop(started) -> None:
 
 def estimate_missing(settings) -> None:
     """Estimate each of `settings` that is not yet in the run's cache (which the estimates fill)."""
-    from ..estimate_cache import cached_estimate, estimate_under_way, marked_under_way
+    from ..memory.cache import cached_estimate, estimate_under_way, marked_under_way
     from ..memory import estimate   # looked up at each call: a test replaces it
 
     for setting in settings:

@@ -5,11 +5,11 @@ A plain module (no GPU, no fixtures), so the CPU suite tests it."""
 
 from __future__ import annotations
 
-from fsdplab import gpu_measured
+from fsdplab.memory import gpu_measured
 from fsdplab.models import hf_config
 from fsdplab.settings import GIB, native_bf16
 
-# The settings of that run, as fsdplab.gpu_measured keeps them with what the GPU measured: its comparable rows.
+# The settings of that run, as fsdplab.memory.gpu_measured keeps them with what the GPU measured: its comparable rows.
 # The two CPU-offload settings are left out: it built them on the GPU first, unlike an offloading program.
 CASES = {row.case: row for row in gpu_measured.COMPARABLE}
 ONE_B_PARAMS = 1_003_653_120         # parameters of gpu_measured.one_b(), the run's ~1.0B Qwen2

@@ -5,7 +5,7 @@ caching-allocator model) and the device's memory in use (mem_get_info's total - 
 Each case prints and records measured vs estimated and the error; a case that does not fit in the GPU's free
 memory is skipped with the numbers; fp16 replaces bf16 where the GPU has no native bf16.
 
-The estimates run in CPU worker processes (fsdplab.estimate_process), all selected cases submitted at once, so
+The estimates run in CPU worker processes (fsdplab.memory.workers), all selected cases submitted at once, so
 they go on while the rank measures the first cases."""
 
 import gc
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fsdplab import memory
-from fsdplab.estimate_process import Workers
+from fsdplab.memory.workers import Workers
 from fsdplab.models import causal_lm, count_params
 from fsdplab.settings import GIB
 

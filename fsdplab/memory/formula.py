@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .report import MemoryReport
-from .settings import FSDP_STRATEGIES, GIB, TrainSetting, as_setting
+from ..settings import FSDP_STRATEGIES, GIB, TrainSetting, as_setting
 
 
 # --- model sizes --------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ class ModelSpec:
 
 @functools.lru_cache(maxsize=None)
 def _registered_spec(name: str) -> ModelSpec:
-    from .models import hf_config
+    from ..models import hf_config
 
     return _spec_from_config(hf_config(name), name)
 
@@ -93,7 +93,7 @@ def spec_of(model) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
-        from .models import MODELS
+        from ..models import MODELS
 
         if model not in MODELS:
             raise ValueError(f"unknown model {model!r}: use one of {list(MODELS)}, a transformers config, "

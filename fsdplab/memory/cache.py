@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .report import MemoryReport
-from .settings import TrainSetting, setting_payload
+from ..settings import TrainSetting, setting_payload
 
 
 # How long a process waits for another's estimate before it makes its own: an exact 7B estimate takes about a
@@ -100,7 +100,7 @@ def estimate_under_way(setting: TrainSetting) -> bool:
 def _maker_alive(maker: dict) -> bool:
     import psutil
 
-    from .runtime.processes import alive as _alive
+    from ..runtime.processes import alive as _alive
 
     try:
         now = _maker_identity(maker["pid"])
@@ -172,8 +172,8 @@ def cache_path(setting: TrainSetting) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
-    """A hash of every source file of the fsdplab package (this module's folder)."""
+    """A hash of every source file of the fsdplab package (the folder above this wing)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()

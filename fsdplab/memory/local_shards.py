@@ -14,7 +14,7 @@ def step_local_shards(optimizer) -> None:
     by the shards, which FSDP2 settles in its lazy init (the first forward, before the first step)."""
     from torch.distributed.tensor import DTensor
 
-    from ._torch_private import local_shard
+    from .._torch_private import local_shard
 
     held = [list(group["params"]) for group in optimizer.param_groups]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .settings import GIB, TrainSetting
+from ..settings import GIB, TrainSetting
 
 
 def llama31_8b():
@@ -56,7 +56,7 @@ CASES = [
 def compare(case: Case, progress=False) -> dict:
     """The estimate of `case`: its active peak, the allocator model's reserved, and the errors against the
     published figure."""
-    from .memory import estimate
+    from .exact import estimate
 
     report = estimate(case.train_setting(), progress=progress)
     predicted = report.gpu_view["reserved"] if case.kind == "reserved" else report.peak_bytes

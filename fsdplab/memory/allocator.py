@@ -13,7 +13,7 @@ the rules of c10/cuda/CUDACachingAllocator.cpp (the constants are those of c10/c
 - a freed block merges with free neighbours of its segment and stays cached: reserved memory never shrinks
   (no `empty_cache`, and no out-of-memory retry, which would free cached segments first);
 - blocks belong to the stream that allocated them. FSDP2 allocates its all-gather and reduce-scatter buffers on
-  streams of their own, so a traced tensor's category decides its stream here (see `STREAM_OF`);
+  streams of their own, so a traced tensor's category decides its stream here (see `fsdplab._torch_private.STREAM_OF`);
 - `expandable_segments=True` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): one segment per pool and stream
   that grows at its end, in 2 MiB pages (small pool) or 20 MiB pages (large pool), and blocks split at 512 bytes.
 
@@ -34,9 +34,6 @@ LARGE_BUFFER = 20 << 20            # kLargeBuffer: segment for requests between 
 MIN_LARGE_ALLOC = 10 << 20         # kMinLargeAlloc
 ROUND_LARGE = 2 << 20              # kRoundLarge
 
-# The stream a traced tensor's tracker category was allocated on, under FSDP2 on a GPU: the all-gather output
-# on the all-gather stream, the reduce-scatter buffers on the reduce-scatter stream, all else on the default one.
-STREAM_OF = {"All Gather": 1, "Reduce Scatter": 2}
 
 
 def round_size(size: int) -> int:
@@ -223,7 +220,7 @@ class CachingAllocator:
                              "segment_type": "small" if small else "large", "segment_pool_id": (0, 0),
                              "is_expandable": self.expandable, "frames": [], "blocks": blocks})
         return {"segments": segments, "device_traces": [self.trace],
-                "allocator_settings": {"expandable_segments": self.expandable, "model": "fsdplab.allocator"}}
+                "allocator_settings": {"expandable_segments": self.expandable, "model": "fsdplab.memory.allocator"}}
 
 
 def replay(events, preloaded: int = 0, expandable_segments: bool = False, snapshot: bool = False) -> dict:
@@ -252,7 +249,7 @@ def replay(events, preloaded: int = 0, expandable_segments: bool = False, snapsh
     return result
 
 
-# What nvidia-smi shows beyond the allocator's reserved memory (fsdplab.gpu_measured has the run):
+# What nvidia-smi shows beyond the allocator's reserved memory (fsdplab.memory.gpu_measured has the run):
 # - the CUDA context with torch's kernels loaded, cuBLAS's workspace and the rest of what torch holds outside the
 #   caching allocator: 877,461,504 B (0.82 GiB) measured on an H200 at world size 1 (torch 2.11.0+cu130, CUDA
 #   13.0, 2026-12-04: mem_get_info's total - free less memory_reserved, the same on every FSDP2 setting). Other
@@ -262,7 +259,7 @@ def replay(events, preloaded: int = 0, expandable_segments: bool = False, snapsh
 #   size 1. At world size 2 and more it holds buffers per channel and peer (NCCL_BUFFSIZE = 4 MiB for the Simple
 #   protocol, plus LL and LL128): NCCL_BYTES is an assumption there, never measured (NVLS buffers on NVSwitch
 #   systems can take more).
-# The two figures of that run (fsdplab.gpu_measured keeps them with the rest of its rows).
+# The two figures of that run (fsdplab.memory.gpu_measured keeps them with the rest of its rows).
 OUTSIDE_ALLOCATOR_FSDP_WS1 = 877461504
 OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1 = 1389166592
 CUDA_CONTEXT_BYTES = OUTSIDE_ALLOCATOR_FSDP_WS1

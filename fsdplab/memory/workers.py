@@ -112,7 +112,7 @@ def set_up_for_estimates() -> None:
 
 def _set_up(background: bool, lines) -> None:
     global _progress
-    from .runtime.processes import die_with_parent
+    from ..runtime.processes import die_with_parent
 
     _progress = lines
     die_with_parent()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .settings import GIB, TrainSetting
+from ..settings import GIB, TrainSetting
 
 MACHINE = {
     "date": "2026-12-04",
@@ -32,7 +32,7 @@ ESTIMATED_WITH = ("`fsdplab estimate --world-size 1 --gpu-mem-gib 140 --json --a
 # 877,461,504 B (0.82 GiB) on every FSDP2 setting run before the first ddp one (881,655,808 B with the Llama
 # models); from the first ddp setting on, 1,389,166,592 B in the same process: 488 MiB more, which stayed.
 # FSDP2 issues no collective at world size 1 (it copies the shards in place of an all-gather); replicate()'s
-# first collective made NCCL's communicator. fsdplab.allocator holds both figures (it sits below this module).
+# first collective made NCCL's communicator. fsdplab.memory.allocator holds both figures (it sits below this module).
 from .allocator import OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1, OUTSIDE_ALLOCATOR_FSDP_WS1  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def one_b():
     """The '1b' model of the run: Qwen-7B's Qwen2 layout at hidden 2048, 16 layers, MLP 6144, vocabulary 32,000."""
     import transformers
 
-    from .models import MODELS
+    from ..models import MODELS
 
     entry = MODELS["qwen-7b"]
     return getattr(transformers, entry.config_class)(**{**entry.fields, **dict(
@@ -136,7 +136,7 @@ RESERVED_TOLERANCE = 0.12         # measured: -11.8% .. +4.4%
 
 def compare(row: Row, progress=False) -> dict:
     """A fresh estimate of `row` against what the GPU measured and what the estimate was when it was taken."""
-    from .memory import estimate
+    from .exact import estimate
 
     report = estimate(row.train_setting(), progress=progress)
     reserved = report.gpu_view.get("reserved", 0)

@@ -1,4 +1,4 @@
-"""How much memory one rank needs, as a `MemoryReport` (fsdplab.report, re-exported here with `CATEGORIES`
+"""How much memory one rank needs, as a `MemoryReport` (fsdplab.memory.report, with `CATEGORIES`
 and `CATEGORY_LABELS`): exact on fake tensors, or measured on live ranks.
 
 - `estimate(setting)`: the exact per-rank figure of a real training step at full scale, without GPUs: a fake
@@ -6,9 +6,9 @@ and `CATEGORY_LABELS`): exact on fake tensors, or measured on live ranks.
   tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes 8-12 s on 2 CPU
   cores and about 400 MB of RAM.
 - `measure(...)` / `measure_setting(setting)`: what live ranks really hold, per category (inside `cluster.run`).
-- The analytic model is `fsdplab.formula.formula(setting)`; it returns the same report.
+- The analytic model is `fsdplab.memory.formula(setting)`; it returns the same report.
 - Within one `fsdplab run`, `estimate` reads back, or waits for, what the run already estimated (the run's
-  cache, fsdplab.estimate_cache) and adds what it works out itself.
+  cache, fsdplab.memory.cache) and adds what it works out itself.
 
 Every answer has the same six categories: parameters, gradients, optimizer_state, activations,
 communication_buffers, other.
@@ -21,11 +21,11 @@ import time
 import warnings
 from pathlib import Path
 
-from . import estimate_cache
+from . import cache
 from .allocator import allocator_view
-from ._torch_private import CATEGORIES
+from .._torch_private import CATEGORIES
 from .report import CATEGORY_LABELS, MemoryReport
-from .settings import EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
+from ..settings import EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
 
 __all__ = ["CATEGORIES", "CATEGORY_LABELS", "MemoryReport", "estimate", "measure", "measure_setting"]
 
@@ -53,17 +53,17 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     step 1 would have given it no state): the caller then starts again without the shortcut.
 
     repeat_to (an FSDP2 model of identical blocks, the estimator): every number is that of the same model with
-    `repeat_to` blocks, its middle block's events repeated (fsdplab.block_repeat)."""
-    from ._torch_private.tracker import make_tracker
+    `repeat_to` blocks, its middle block's events repeated (fsdplab.memory.block_repeat)."""
+    from .._torch_private.tracker import make_tracker
     from .offload_view import gpu_side_log
-    from .sharding import train_step
+    from ..sharding import train_step
 
     if steps < 2:
         raise ValueError("steps must be at least 2: the first step creates the optimizer state.")
     tracker = make_tracker(model, optimizer)
     tracker.label_allocations = label_allocations
     if repeat_to is not None:
-        from .models import blocks_of
+        from ..models import blocks_of
 
         tracker.record_blocks = blocks_of(model)
     elif offload:
@@ -120,7 +120,7 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
 def _repeated(tracker, model, depth, offload):
     """The step just tracked, its middle block repeated until the model has `depth` blocks, replayed."""
     from . import block_repeat
-    from ._torch_private.tracker import replay_step
+    from .._torch_private.tracker import replay_step
     from .offload_view import gpu_side_log
 
     record = {"events": tracker.events, "preloaded": tracker.preloaded, "block_of": tracker.block_of,
@@ -131,8 +131,8 @@ def _repeated(tracker, model, depth, offload):
 
 
 def _reserved(alloc_log) -> dict:
-    """What the CUDA caching allocator would reserve for the step tracked (fsdplab.allocator), with and without
-    expandable segments; {} without a log. Under cpu offload the log is the GPU's part (fsdplab.offload_view)."""
+    """What the CUDA caching allocator would reserve for the step tracked (fsdplab.memory.allocator), with and without
+    expandable segments; {} without a log. Under cpu offload the log is the GPU's part (fsdplab.memory.offload_view)."""
     from . import allocator
 
     if not alloc_log or not alloc_log[0]:
@@ -149,7 +149,7 @@ def _optimizer_state_step(model, optimizer, batch, trained) -> None:
     step creates (zeros_like of each parameter, or a clone of its gradient: the same shapes and dtypes)."""
     import torch
 
-    from .sharding import train_step
+    from ..sharding import train_step
 
     def zero_gradients():
         with torch.no_grad():
@@ -181,11 +181,11 @@ def estimate(setting: TrainSetting | None = None, /, *, progress=True, subproces
     is left.
 
     A model of 12 or more identical blocks is traced with 8 of them, and a middle block's events are repeated for
-    the others (fsdplab.block_repeat: the same events as a trace of every block; FSDPLAB_TRACE_ALL_BLOCKS=1 traces
+    the others (fsdplab.memory.block_repeat: the same events as a trace of every block; FSDPLAB_TRACE_ALL_BLOCKS=1 traces
     them all).
 
     A process can hold one process group: where one exists already (on a rank), the estimate runs in another
-    process (fsdplab.estimate_process; `subprocess_mode=None` decides, True/False forces it). `progress` is True
+    process (fsdplab.memory.workers; `subprocess_mode=None` decides, True/False forces it). `progress` is True
     (print each stage), False, or, in another process, a function that receives each progress line (the
     dashboards).
     """
@@ -196,7 +196,7 @@ def estimate(setting: TrainSetting | None = None, /, *, progress=True, subproces
     if subprocess_mode is None:
         subprocess_mode = dist.is_available() and dist.is_initialized()
     if subprocess_mode:
-        from .estimate_process import estimate_elsewhere
+        from .workers import estimate_elsewhere
 
         return estimate_elsewhere(estimate_here, setting, progress)
     return estimate_here(setting, progress=progress)
@@ -213,20 +213,20 @@ def _progress_printer(enabled, label, stream=None):
 
 
 def estimate_here(setting: TrainSetting, progress=True, progress_stream=None) -> MemoryReport:
-    """`estimate(setting)` in this process, whatever groups it holds (what a worker of fsdplab.estimate_process
+    """`estimate(setting)` in this process, whatever groups it holds (what a worker of fsdplab.memory.workers
     runs); progress lines go to `progress_stream` (default stdout)."""
     say = _progress_printer(progress, f"{setting.model_name} x{setting.world_size}", progress_stream)
-    report = estimate_cache.cached_estimate(setting)
+    report = cache.cached_estimate(setting)
     if report is not None:
         say(f"reused the estimate made earlier in this run (it took {report.seconds:.1f} s)")
         return report
-    if estimate_cache.estimate_under_way(setting):
+    if cache.estimate_under_way(setting):
         say("another process of this run is estimating this setting already: waiting for its report")
-        report = estimate_cache.wait_for_estimate(setting, say=say)
+        report = cache.wait_for_estimate(setting, say=say)
         if report is not None:
             return report
     report = _compute_estimate(setting, say)
-    estimate_cache.store(setting, report)
+    cache.store(setting, report)
     return report
 
 
@@ -248,7 +248,7 @@ def _write_snapshot(alloc_log, path, say) -> None:
     import pickle
 
     from . import allocator
-    from .safe_files import atomic_write_bytes
+    from ..safe_files import atomic_write_bytes
 
     snapshot = allocator.replay(*alloc_log, snapshot=True)["snapshot"]
     atomic_write_bytes(Path(path), pickle.dumps(snapshot))
@@ -257,7 +257,7 @@ def _write_snapshot(alloc_log, path, say) -> None:
 
 
 def _compute_estimate(setting: TrainSetting, say, snapshot_path=None) -> MemoryReport:
-    from .models import config_of
+    from ..models import config_of
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     config = config_of(setting.model)
@@ -276,14 +276,14 @@ def estimate_group(settings: list, progress=False) -> list:
     world size): the fake model is built and sharded once for them all, and the optimizer state it keeps is
     what every point's first step would create. Each report is stored in the run's cache, as `estimate`'s are;
     the numbers are those `estimate` gives each point alone (tests/test_estimate_options.py)."""
-    from .models import config_of
+    from ..models import config_of
 
     if not settings:
         return []
     base = settings[0].replace(seq_len=1, batch_size=1)
     if any(s.replace(seq_len=1, batch_size=1) != base for s in settings):
         raise ValueError("estimate_group takes settings that differ in seq_len and batch_size only.")
-    reports = [estimate_cache.cached_estimate(s) for s in settings]
+    reports = [cache.cached_estimate(s) for s in settings]
     todo = [s for s, r in zip(settings, reports) if r is None]
     if todo:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -298,7 +298,7 @@ def estimate_group(settings: list, progress=False) -> list:
         reports = [r if r is not None else next(made) for r in reports]
         for s, r in zip(settings, reports):
             if not any(n.startswith("reused") for n in r.notes):
-                estimate_cache.store(s, r)
+                cache.store(s, r)
     return reports
 
 
@@ -317,7 +317,7 @@ def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None,
     if traced is not None:
         notes.append(f"{traced[0]} of the {traced[1]} blocks traced: the other {traced[1] - traced[0]} repeat a middle "
                      "block's allocations and frees, forward and backward, as FSDP2 runs identical blocks alike "
-                     "(fsdplab.block_repeat; FSDPLAB_TRACE_ALL_BLOCKS=1 traces every block).")
+                     "(fsdplab.memory.block_repeat; FSDPLAB_TRACE_ALL_BLOCKS=1 traces every block).")
     if setting.attention_kind == "flash":
         notes.append("flash attention traced as SDPA's memory-efficient kernel: neither stores the score matrix, "
                      "and both keep the same output and log-sum-exp for backward.")
@@ -354,7 +354,7 @@ def _strategy_notes(setting: TrainSetting) -> list:
 def _fake_steps(setting: TrainSetting, config, say, state_only_first: bool, label_allocations: bool = False,
                 points=None) -> list:
     """`_trace_steps` of `setting`'s model, or, for a deep stack of identical blocks, of a twin with a few of
-    them whose middle block is repeated (fsdplab.block_repeat). Returns one (run, seconds, (blocks traced,
+    them whose middle block is repeated (fsdplab.memory.block_repeat). Returns one (run, seconds, (blocks traced,
     blocks) or None) per point."""
     from . import block_repeat
 
@@ -377,9 +377,9 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
     them all. Returns one run per point, each with the seconds it took (the build counted in the first)."""
     import torch
 
-    from ._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
+    from .._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
     from .local_shards import step_local_shards
-    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
+    from ..sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 
     t0 = time.perf_counter()
     with fake_process_group(setting.world_size):
@@ -421,7 +421,7 @@ def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryR
     """
     import torch
 
-    from .ranks import this_rank, this_world_size
+    from ..ranks import this_rank, this_world_size
 
     t0 = time.perf_counter()
     on_gpu = any(p.is_cuda for p in model.parameters())
@@ -449,9 +449,9 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
     `estimate(setting)`). setting.world_size must be the group's size."""
     import torch
 
-    from .ranks import device, mesh
-    from .models import config_of
-    from .sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
+    from ..ranks import device, mesh
+    from ..models import config_of
+    from ..sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 
     setting = as_setting(setting, **changes)
     check_choice("strategy (measured)", setting.strategy, EXACT_STRATEGIES)
@@ -480,8 +480,8 @@ def _build_offloaded(setting: TrainSetting, seed: int):
     """The model as an offloading program builds it: on the meta device, fully_shard with CPUOffloadPolicy, the
     shards placed in host memory by to_empty, the weights from rank 0 (sharding.build_sharded). Built on the GPU
     first, the model would leave there what offloading is meant to keep off it (and its peak would be that)."""
-    from .ranks import device, mesh
-    from .sharding import build_sharded
+    from ..ranks import device, mesh
+    from ..sharding import build_sharded
 
     check_choice("strategy (with cpu_offload)", setting.strategy, ("full_shard", "shard_grad_op"))
     return build_sharded(setting, mesh(), device=device(), seed=seed)

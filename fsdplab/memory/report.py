@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ._torch_private import CATEGORIES
-from .settings import GIB, MIB
+from .._torch_private import CATEGORIES
+from ..settings import GIB, MIB
 
 CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
                    "activations": "activations", "communication_buffers": "communication buffers",

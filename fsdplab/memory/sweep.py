@@ -17,15 +17,15 @@ import time
 from dataclasses import dataclass, field
 
 from .report import MemoryReport
-from .settings import GIB, MIB, TrainSetting
+from ..settings import GIB, MIB, TrainSetting
 
 
 # --- checks before any estimate runs -----------------------------------------------------------------------
 
 def check(setting: TrainSetting) -> None:
     """ValueError, with the fix, for a setting the estimator would reject late or confusingly."""
-    from .models import architecture_of, config_of
-    from .sharding import build_model
+    from ..models import architecture_of, config_of
+    from ..sharding import build_model
 
     config = config_of(setting.model)
     limit = getattr(config, "max_position_embeddings", None)
@@ -36,7 +36,7 @@ def check(setting: TrainSetting) -> None:
         build_model(setting, device="meta", dtype=setting.base_dtype)
     except Exception as e:
         if isinstance(e, ValueError) and "not found in the base model" in str(e):  # peft: targets match nothing
-            from .sharding import lora_target_modules
+            from ..sharding import lora_target_modules
 
             names = sorted(_linear_names(setting))
             raise ValueError(f"LoRA targets {lora_target_modules(setting.lora_targets)} match no module of "
@@ -52,7 +52,7 @@ def _linear_names(setting: TrainSetting) -> set:
     """Names of the Linear layers inside the blocks (what LoRA targets), from a meta build without LoRA."""
     from torch import nn
 
-    from .models import blocks_of, causal_lm
+    from ..models import blocks_of, causal_lm
 
     model = causal_lm(setting.model)
     return {name.rsplit(".", 1)[-1] for block in blocks_of(model)[:1]
@@ -113,29 +113,9 @@ class Sweep:
                 "batch_sizes": self.batch_sizes, "world_sizes": self.world_sizes, "seconds": self.seconds,
                 "workers": self.workers, "points": points}
 
-    def plot(self, path) -> None:
-        """A heat map per world size (rows micro-batch, columns sequence length), hatched over the card."""
-        from matplotlib.figure import Figure
-
-        from .display import draw_heatmap
-
-        unit, per = self.unit()
-        capacity = self.gpu_mem_gib * GIB / per     # the card, in the plot's unit
-        panels = len(self.world_sizes)
-        fig = Figure(figsize=(max(6.5, (2.4 + 0.9 * len(self.seq_lens)) * panels), 1.8 + 0.6 * len(self.batch_sizes)),
-                     layout="constrained")
-        for ax, world_size in zip(fig.subplots(1, panels, squeeze=False)[0], self.world_sizes):
-            image = draw_heatmap(ax, self.seq_lens, self.batch_sizes, self.grid(world_size, per), gpu_gib=capacity)
-            bar = fig.colorbar(image, ax=ax, label=f"peak per GPU ({unit})")
-            bar.ax.axhline(capacity, color="black", linewidth=2)
-            low, high = image.norm.vmin, image.norm.vmax   # a tick at the card, none crowding it
-            bar.set_ticks([t for t in bar.get_ticks() if low <= t <= high and abs(t - capacity) > (high - low) / 12]
-                          + [capacity])
-            ax.set_title(f"world size {world_size}", fontsize=10)
-        fig.suptitle(f"{self.setting.model_name}: {_describe(self.setting)}\nexact peak per GPU ({unit}); "
-                     f"hatched: over the {self.gpu_mem_gib:g} GiB card (black line)", fontsize=9)
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-
+    def description(self) -> str:
+        """The setting in words, as the table's and the heat map's titles give it."""
+        return _describe(self.setting)
 
 def _describe(s: TrainSetting) -> str:
     parts = [f"LoRA r={s.lora_rank}" if s.lora_rank else "full fine-tune", s.strategy, f"{s.precision} compute",
@@ -202,7 +182,7 @@ class Estimates:
     """Exact estimates under way in worker processes (see `start_estimates`)."""
 
     def __init__(self, settings: list, workers: int = 2, on_done=None):
-        from .estimate_cache import cached_estimate, estimate_under_way
+        from .cache import cached_estimate, estimate_under_way
 
         self.settings, self.on_done = settings, on_done
         self.reports: list = [None] * len(settings)
@@ -218,9 +198,9 @@ class Estimates:
         self._submit(todo)
 
     def _submit(self, indices: list) -> None:
-        """Start estimating the settings at `indices` in worker processes (fsdplab.estimate_process)."""
-        from .estimate_process import Workers
-        from .memory import estimate_group
+        """Start estimating the settings at `indices` in worker processes (fsdplab.memory.workers)."""
+        from .workers import Workers
+        from .exact import estimate_group
 
         if not indices:
             return
@@ -238,7 +218,7 @@ class Estimates:
                                f"start them again with start_estimates(...)") from self._error
         if self._finished:
             return [self.reports[first] for first in self._first]
-        from .estimate_cache import wait_for_estimate
+        from .cache import wait_for_estimate
 
         late = []
         for i in self._waiting:   # made by another process of the run: wait for it, or estimate it here after all

@@ -1,4 +1,4 @@
-"""What stays on the GPU under FSDP2's CPUOffloadPolicy, as an allocation log `fsdplab.allocator` replays: the
+"""What stays on the GPU under FSDP2's CPUOffloadPolicy, as an allocation log `fsdplab.memory.allocator` replays: the
 estimate's GPU view (reserved memory, nvidia-smi) of an offloaded step.
 
 The traced step runs without offload (CPUOffloadPolicy needs an accelerator), so its log holds the offloaded
@@ -17,8 +17,7 @@ shards; at world size 1, where FSDP2 skips the all-gather, the copy is the unsha
 
 from __future__ import annotations
 
-from ._torch_private import OFFLOADED
-from .allocator import STREAM_OF
+from .._torch_private import OFFLOADED, STREAM_OF
 
 DESCRIPTION = ("the GPU's part of the step: unsharded parameters of the units in flight, activations, logits, "
                "all-gather and reduce-scatter buffers; sharded parameters, gradients (copied off as each "
