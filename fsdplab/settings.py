@@ -50,7 +50,7 @@ def native_bf16(capability) -> bool:
 def auto_precision(device=None, cpu: str = "bf16") -> str:
     """The compute dtype "auto" means on `device` (default: the current GPU if there is one, else the CPU):
     bf16 where the GPU has native bf16, else fp16, which trains only with a loss scaler
-    (`fsdplab.precision.loss_scaler`); on CPU ranks `cpu`, the lab's choice there (bf16 needs no scaler).
+    (`fsdplab.lessons.precision.loss_scaler`); on CPU ranks `cpu`, the lab's choice there (bf16 needs no scaler).
     Asks CUDA for the capability: call it on a rank or in a script, never in a notebook's kernel."""
     import torch
 

@@ -48,8 +48,6 @@ WING_OF = {
     # the lessons: one module per lesson, the checkers, the posts' claims
     "fsdplab.lessons": "lessons",
     "fsdplab.recipes": "lessons",           # the lessons' case studies as torchrun scripts
-    "fsdplab.precision": "lessons",         # lesson 04's measurements, used by lessons alone
-    "fsdplab.offload": "lessons",           # lesson 03's cost model, used by lessons alone
     # the app: everything behind the `fsdplab` command
     "fsdplab.cli": "app",
     "fsdplab.lab": "app",

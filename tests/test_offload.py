@@ -1,4 +1,4 @@
-"""fsdplab.offload: bandwidth constants, bytes moved, the per-rank ledger, the step-time model; lesson 03's module
+"""fsdplab.lessons.offload: bandwidth constants, bytes moved, the per-rank ledger, the step-time model; lesson 03's module
 (fsdplab.lessons.cpu_offload): its cost tables, figure, dashboard, verdicts and exercise."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fsdplab import offload as O
+from fsdplab.lessons import offload as O
 from fsdplab.memory.formula import spec_of
 from fsdplab.lessons import cpu_offload as L
 from fsdplab.settings import GIB

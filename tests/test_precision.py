@@ -1,11 +1,11 @@
-"""fsdplab.precision: fp16 range facts on real tensors, and the mixed-precision behaviour of real ranks."""
+"""fsdplab.lessons.precision: fp16 range facts on real tensors, and the mixed-precision behaviour of real ranks."""
 
 import math
 
 import pytest
 import torch
 
-from fsdplab import precision as P
+from fsdplab.lessons import precision as P
 from fsdplab.models import TinyConfig
 
 CFG = TinyConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, seq_len=16)

@@ -1,12 +1,12 @@
 """Lesson 03 (CPU offload) only: exact estimates of the posts' full fine-tune with and without CPU offload, the
-modelled cost tables, figures and dashboard (of `fsdplab.offload`'s models), the verdicts of claim 7 computed
+modelled cost tables, figures and dashboard (of `fsdplab.lessons.offload`'s models), the verdicts of claim 7 computed
 from the lesson's numbers, and the lesson's exercise.
 """
 
 from __future__ import annotations
 
 from .checkers import close, exercise
-from ..offload import GPUS, RESERVE_GIB, plan, step_time
+from .offload import GPUS, RESERVE_GIB, plan, step_time
 from ..settings import GIB
 from .full_finetune import full_finetune_settings
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from .checkers import exercise
-from ..precision import underflow_fraction
+from .precision import underflow_fraction
 
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_SMALLEST = torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps   # subnormal

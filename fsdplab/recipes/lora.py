@@ -124,7 +124,7 @@ def train_steps(model, optimizer, task: StringTask, steps: int, *, batch_size: i
                 seed: int = 0, log_every: int = 0, device=None, scaler=None) -> list:
     """Plain LoRA training loop; each rank draws its own batches. Returns this rank's losses.
 
-    scaler: a GradScaler (`fsdplab.precision.loss_scaler`), which fp16 needs: without one, gradients below
+    scaler: a GradScaler (`fsdplab.lessons.precision.loss_scaler`), which fp16 needs: without one, gradients below
     fp16's 6e-8 flush to zero and an overflow's inf reaches the weights. The log then shows its scale."""
     from ..ranks import this_rank
     from ..sharding import train_step
@@ -302,7 +302,7 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..precision import loss_scaler
+    from ..lessons.precision import loss_scaler
     from ..runtime.hosts import gloo_interface_for_nodes
     from ..runtime.on_rank import rank_device
     from ..settings import AUTO_PRECISION, GIB, TrainSetting, resolve_precision

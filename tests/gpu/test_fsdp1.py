@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 import fsdplab
 from fsdplab import checkpoint as ck
-from fsdplab import comms, precision
+from fsdplab import comms
+from fsdplab.lessons import precision
 from fsdplab.models import TinyConfig
 from fsdplab.settings import MIB
 from fsdplab.sharding import build_tiny

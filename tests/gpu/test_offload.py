@@ -8,7 +8,7 @@ import time
 import torch
 
 import fsdplab
-from fsdplab import offload
+from fsdplab.lessons import offload
 from fsdplab.models import TinyConfig
 from fsdplab.settings import GIB, TrainSetting
 from fsdplab.sharding import build_sharded, make_optimizer, train_step

@@ -22,13 +22,13 @@ import math
 import torch
 from torch import nn
 
-from .ranks import this_rank
-from .settings import PRECISIONS, torch_dtype
+from ..ranks import this_rank
+from ..settings import PRECISIONS, torch_dtype
 
 
 def _group(group_size):
     """(group of ranks 0..group_size-1, its mesh or None, member?) for the `*_on_rank` functions (dist.first_ranks)."""
-    from .ranks import first_ranks
+    from ..ranks import first_ranks
 
     return first_ranks(group_size)
 
@@ -40,7 +40,7 @@ def loss_scaler(precision: str, device, *, sharded: bool = False, init_scale: fl
     Under FSDP2 the plain GradScaler already agrees across ranks: its inf check on DTensor gradients
     all-reduces the found-inf flag over the mesh (`fsdp2_scaler_on_rank` shows it). FSDP1's flat shards are
     plain tensors, so each rank would see only its own inf: sharded=True all-reduces the flag itself."""
-    from .settings import check_choice
+    from ..settings import check_choice
 
     check_choice("precision", precision, PRECISIONS)
     if precision != "fp16":
@@ -122,8 +122,8 @@ def norm_errors(scales, dtypes=("fp16", "bf16"), norms=NORM_MODULES, dim: int = 
 
 def tiny_gradients(cfg=None, seed: int = 0) -> torch.Tensor:
     """All non-zero gradient elements of one fp32 forward/backward of the tiny transformer (a flat tensor)."""
-    from .models import TinyConfig, TinyTransformer, random_batch
-    from .sharding import loss_of
+    from ..models import TinyConfig, TinyTransformer, random_batch
+    from ..sharding import loss_of
 
     torch.manual_seed(seed)
     cfg = cfg or TinyConfig()
@@ -208,9 +208,9 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .ranks import device, rank
-    from .models import TinyConfig, random_batch
-    from .sharding import apply_fsdp, build_tiny
+    from ..ranks import device, rank
+    from ..models import TinyConfig, random_batch
+    from ..sharding import apply_fsdp, build_tiny
 
     _, group_mesh, member = _group(group_size)
     if not member:
@@ -245,9 +245,9 @@ def fsdp1_mixed_precision_on_rank(cfg=None, group_size=None) -> dict | None:
 
     from torch.distributed.fsdp import MixedPrecision
 
-    from .ranks import device, rank
-    from .models import TinyConfig, random_batch
-    from .sharding import apply_fsdp1, build_tiny
+    from ..ranks import device, rank
+    from ..models import TinyConfig, random_batch
+    from ..sharding import apply_fsdp1, build_tiny
 
     group, _, member = _group(group_size)
     if not member:
@@ -289,9 +289,9 @@ def reduce_error_on_rank(reduce_precision: str = "fp16", loss_scale: float = 1.0
     """
     import torch.distributed as dist
 
-    from .ranks import device, rank
-    from .models import TinyConfig, random_batch
-    from .sharding import apply_fsdp, build_tiny, loss_of
+    from ..ranks import device, rank
+    from ..models import TinyConfig, random_batch
+    from ..sharding import apply_fsdp, build_tiny, loss_of
 
     group, group_mesh, member = _group(group_size)
     if not member:
@@ -344,9 +344,9 @@ def scaler_agreement_on_rank(scaler: str = "per-rank", steps: int = 4, inf_step:
 
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from .ranks import device, rank
-    from .models import TinyConfig, random_batch
-    from .sharding import apply_fsdp1, build_tiny, train_step
+    from ..ranks import device, rank
+    from ..models import TinyConfig, random_batch
+    from ..sharding import apply_fsdp1, build_tiny, train_step
 
     if scaler not in ("per-rank", "agree"):
         raise ValueError(f"scaler must be 'per-rank' or 'agree', got {scaler!r}.")
@@ -384,9 +384,9 @@ def fsdp2_scaler_on_rank(inf_rank: int = 1, cfg=None, seed: int = 0, group_size=
     DTensor's handler for the scaler's inf check all-reduces the found-inf flag over the mesh (torch 2.x
     `found_inf_reduce_handler`), so the ranks agree without a special scaler. Returns this rank's scale and
     whether its shards changed (ranks 0..group_size-1; the others return None)."""
-    from .ranks import device, rank
-    from .models import TinyConfig, random_batch
-    from .sharding import apply_fsdp, build_tiny, train_step
+    from ..ranks import device, rank
+    from ..models import TinyConfig, random_batch
+    from ..sharding import apply_fsdp, build_tiny, train_step
 
     _, group_mesh, member = _group(group_size)
     if not member:
@@ -423,9 +423,9 @@ def train_curve_on_rank(mode: str = "bf16", steps: int = 40, cfg=None, lr: float
     wrapping, as when loaded with torch_dtype=float16: fp16 master weights and fp16 AdamW state).
     NaN losses are returned as float('nan'). group_size: ranks 0..group_size-1 train (the others return None).
     """
-    from .ranks import device, rank
-    from .models import TinyConfig, random_batch
-    from .sharding import apply_fsdp, build_tiny, train_step
+    from ..ranks import device, rank
+    from ..models import TinyConfig, random_batch
+    from ..sharding import apply_fsdp, build_tiny, train_step
 
     if mode not in CURVE_MODES:
         raise ValueError(f"mode must be one of {CURVE_MODES}, got {mode!r}.")

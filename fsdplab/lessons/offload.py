@@ -35,8 +35,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .network import get_link
-from .settings import GIB
+from ..network import get_link
+from ..settings import GIB
 
 # Host links by the short name a GPU's `host_link` uses; the bandwidths are network.PRESETS' (per direction).
 PCIE_BYTES_PER_S = {name: get_link(name).bytes_per_s for name in ("PCIe 4.0 x16", "PCIe 5.0 x16")}
@@ -102,7 +102,7 @@ def ledger(model="qwen-7b", world_size: int = 8, *, cpu_offload: bool = False, l
     `model`: a name of `fsdplab.models.MODELS`, a transformers config, or a parameter count such as 13e9
     (a Llama-like shape is derived: see `llama_like`).
     """
-    from .memory.formula import formula
+    from ..memory.formula import formula
 
     if isinstance(model, (int, float)):
         model = llama_like(model)
@@ -296,7 +296,7 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
     """
     if gpu_mem_gib <= 0 or num_params <= 0 or world_size < 1:
         raise ValueError("gpu_mem_gib, num_params and world_size must be positive.")
-    from .memory.formula import spec_of
+    from ..memory.formula import spec_of
 
     budget = (gpu_mem_gib - RESERVE_GIB) * GIB
     spec = llama_like(num_params)
@@ -330,9 +330,9 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
 def offload_attempt_on_rank(cfg=None) -> str:
     """Try FSDP2 + CPUOffloadPolicy for one forward/backward on this rank: 'ok', or the error torch raises
     (on a CPU rank there is no accelerator to offload from)."""
-    from .ranks import device, mesh
-    from .models import random_batch
-    from .sharding import apply_fsdp, build_tiny, loss_of
+    from ..ranks import device, mesh
+    from ..models import random_batch
+    from ..sharding import apply_fsdp, build_tiny, loss_of
 
     try:
         model = apply_fsdp(build_tiny(cfg, device=device()), mesh(), cpu_offload=True)
@@ -347,8 +347,8 @@ def _seconds_per_step(model, opt, cfg, steps: int, dev, scaler=None) -> float:
     each step timed from a synchronised device to a synchronised device; fp16 steps through `scaler`."""
     import torch
 
-    from .models import random_batch
-    from .sharding import train_step
+    from ..models import random_batch
+    from ..sharding import train_step
 
     times = []
     for step in range(steps + 1):
@@ -372,9 +372,9 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
     import torch
 
     from .precision import loss_scaler
-    from .ranks import device, mesh
-    from .settings import resolve_precision
-    from .sharding import apply_fsdp, build_tiny
+    from ..ranks import device, mesh
+    from ..settings import resolve_precision
+    from ..sharding import apply_fsdp, build_tiny
 
     dev = device()
     if dev.type != "cuda":
@@ -402,9 +402,9 @@ def fsdp1_offload_run(cfg=None, steps: int = 5, seed: int = 0, precision: str = 
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
     from .precision import loss_scaler
-    from .ranks import device
-    from .settings import resolve_precision, torch_dtype
-    from .sharding import apply_fsdp1, build_tiny
+    from ..ranks import device
+    from ..settings import resolve_precision, torch_dtype
+    from ..sharding import apply_fsdp1, build_tiny
 
     dev = device()
     if dev.type != "cuda":
