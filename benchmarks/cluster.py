@@ -1,15 +1,18 @@
-"""How fast the lab's cluster is, next to torchrun: start-up (with and without `fsdplab run`'s fork server),
-per-call overhead (collective record on and off), hang detection, restart after a fault, stop, and a flood of
-output.
+"""How fast the lab's cluster is, next to torchrun: the whole process a user waits for (start, one all_reduce,
+stop, exit), start-up with and without `fsdplab run`'s fork server, per-call overhead (collective record on and
+off), hang detection, restart after a fault, stop, and a flood of output.
 
     python benchmarks/cluster.py [--world-size 2] [--calls 50] [--repeats 3] [--before COMMIT] [--start-only]
 
---before COMMIT adds the start row of another commit's code (`git archive COMMIT fsdplab`, unpacked in a
-temporary folder), measured in turns with torchrun and this tree, and the ratio of the two. --start-only prints
-the start rows alone.
+The first table times `python script.py` (fsdplab.Cluster with its defaults, one all_reduce) against `torchrun
+--standalone` doing the same, as whole processes from the command's start to its exit, in alternating turns:
+medians of wall time, CPU time (user+sys of the process and the processes it waited for) and peak RSS (its
+largest process), and their ratios. --before COMMIT adds the same row for another commit's code (`git archive
+COMMIT fsdplab`, unpacked in a temporary folder), measured in the same turns. --start-only prints that table
+alone.
 
-Prints a table. Timings depend on the machine and its load: run it on an idle machine, and compare rows
-measured in the same run.
+Timings depend on the machine and its load (printed before and after): run it on an idle machine, and compare
+rows measured in the same run.
 """
 
 import argparse
@@ -28,64 +31,74 @@ import psutil
 import fsdplab
 from fsdplab.runner import forkserver
 
-# The same work for both launchers: start the ranks, one all_reduce, stop.
+# The same work for both launchers: start the ranks, one all_reduce, stop. The fsdplab script is what a user
+# writes (the default backend, which on a machine without GPUs is gloo, like torchrun's script).
 TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
-x = torch.ones(1)
-dist.all_reduce(x)
+t = torch.ones(1)
+dist.all_reduce(t)
 dist.destroy_process_group()
 """
 FSDPLAB_SCRIPT = """
 import sys, fsdplab
-def all_reduce():
-    import torch, torch.distributed as dist
-    x = torch.ones(1)
-    dist.all_reduce(x)
-    return x.item()
-with fsdplab.Cluster(int(sys.argv[1]), backend="gloo", quiet=True) as cluster:
-    cluster.run(all_reduce)
+with fsdplab.Cluster(int(sys.argv[1]), quiet=True) as cluster:
+    cluster.execute("t = torch.ones(1); dist.all_reduce(t)", quiet=True)
 """
 
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-def _whole_process(argv, code_root: str | None = None) -> float:
+def _whole_process(argv, code_root: str | None = None) -> tuple:
+    """(wall seconds, CPU seconds, peak RSS in MiB) of one command, from its start to its exit. CPU is user+sys
+    of the process and every process it waited for (the ranks, the controller); peak RSS is its largest
+    process's, as /usr/bin/time reports it."""
     env = dict(os.environ, PYTHONPATH=code_root) if code_root else None
     t = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=code_root)
-    return time.perf_counter() - t
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=code_root)
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here: Popen must not wait again
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode}: {err.decode()[-2000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def launcher_rows(world_size: int, repeats: int, before: str | None = None) -> list:
     """Start, one all_reduce and stop, timed as whole processes: torchrun, this tree's fsdplab and (with
-    `before`) another commit's, in turns whose order rotates, so that each sees the same machine load."""
+    `before`) another commit's, in turns whose order rotates, so that each sees the same machine load.
+    Rows: (name, wall, CPU, peak RSS, note), medians of `repeats`."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from estimate import unpack   # the same `git archive` unpacking the estimator benchmark uses
 
     folder = Path(tempfile.mkdtemp(prefix="fsdplab-bench-"))
     (folder / "tr.py").write_text(TORCHRUN_SCRIPT)
     (folder / "lab.py").write_text(FSDPLAB_SCRIPT)
-    runs = {"torchrun": lambda: _whole_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                f"--nproc-per-node={world_size}", str(folder / "tr.py")]),
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+                str(folder / "tr.py")]
+    runs = {"torchrun": lambda: _whole_process(torchrun),
             "after": lambda: _whole_process([sys.executable, str(folder / "lab.py"), str(world_size)], ROOT)}
     if before:
         old = unpack(before, tempfile.mkdtemp(prefix="fsdplab-bench-before-"))
         runs["before"] = lambda: _whole_process([sys.executable, str(folder / "lab.py"), str(world_size)], old)
-    seconds = {name: [] for name in runs}
+    measured = {name: [] for name in runs}
     names = list(runs)
     for i in range(repeats):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            seconds[name].append(runs[name]())
-    t, f = statistics.median(seconds["torchrun"]), statistics.median(seconds["after"])
-    rows = [(f"torchrun: start, all_reduce, exit (median of {repeats})", t, "whole process"),
-            (f"fsdplab: start, all_reduce, stop (median of {repeats})", f, "whole process, this tree"),
-            ("fsdplab / torchrun", f / t, "ratio, target <= 1.0")]
+            measured[name].append(runs[name]())
+    median = {name: [statistics.median(m[k] for m in values) for k in range(3)]
+              for name, values in measured.items()}
+    t, f = median["torchrun"], median["after"]
+    rows = [("torchrun: start, all_reduce, exit", *t, "whole process"),
+            ("fsdplab: start, all_reduce, stop, exit", *f, "whole process, this tree"),
+            ("fsdplab / torchrun", *(a / b for a, b in zip(f, t)), "ratios, target <= 1.0")]
     if before:
-        b = statistics.median(seconds["before"])
-        rows += [(f"fsdplab at {before[:12]}: the same (median of {repeats})", b, "whole process"),
-                 ("this tree / that commit", f / b, "ratio"), ("that commit / torchrun", b / t, "ratio")]
+        b = median["before"]
+        rows += [(f"fsdplab at {before[:12]}: the same", *b, "whole process"),
+                 ("this tree / that commit", *(a / c for a, c in zip(f, b)), "ratios"),
+                 ("that commit / torchrun", *(c / a for a, c in zip(t, b)), "ratios")]
     return rows
 
 
@@ -238,14 +251,26 @@ def main():
     parser.add_argument("--start-only", action="store_true", help="only the whole-process start rows")
     args = parser.parse_args()
 
+    load = psutil.getloadavg()[0]
     rows = launcher_rows(args.world_size, args.repeats, args.before)
+    _print_start(args, rows, load)
     if args.start_only:
-        _print(args, rows)
         return
-    rows += forkserver_rows(args.world_size, args.repeats)
+    rows = forkserver_rows(args.world_size, args.repeats)
     rows += record_rows(args.world_size, args.calls)
     rows += fault_rows(args.world_size, args.hang_timeout)
     _print(args, rows)
+
+
+def _print_start(args, rows, load_before: float) -> None:
+    print(f"\nWhole process, start to exit: world_size={args.world_size}, medians of {args.repeats} alternating "
+          f"runs, {psutil.cpu_count()} CPU(s), load average {load_before:.1f} before, "
+          f"{psutil.getloadavg()[0]:.1f} after")
+    print(f"{'measure':<42} {'wall s':>7} {'CPU s':>7} {'peak RSS MiB':>12}  note")
+    for name, wall, cpu, rss, note in rows:
+        ratio = "ratio" in note
+        print(f"{name:<42} {wall:7.2f} {cpu:7.2f} {rss:12.2f}  {note}" if ratio else
+              f"{name:<42} {wall:7.2f} {cpu:7.2f} {rss:12.0f}  {note}")
 
 
 def _print(args, rows) -> None:
