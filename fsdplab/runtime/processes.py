@@ -49,8 +49,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The device files a GPU driver makes on Linux: NVIDIA's (nvidiactl, nvidia0, ...), Jetson's (nvhost-*, nvmap),
+# WSL's (dxg) and ROCm's (kfd). torch.cuda finds no GPU without one of them.
+_GPU_DEVICE_PREFIXES = ("nvidia", "nvhost", "nvmap", "dxg", "kfd")
+
+
+def gpu_device_nodes() -> list | None:
+    """The GPU driver's device files in /dev on Linux; None elsewhere (nothing known: torch is asked)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return sorted(name for name in os.listdir("/dev") if name.startswith(_GPU_DEVICE_PREFIXES))
+    except OSError:
+        return None
+
+
 def gpu_count() -> int:
     """GPUs visible to torch, asked without creating a CUDA context in the kernel."""
+    if gpu_device_nodes() == []:
+        return 0   # importing torch to learn this takes about a second of a cluster's start
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
