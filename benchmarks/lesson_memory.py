@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from fsdplab.cli import lesson_paths
+from fsdplab.runner.cli import lesson_paths
 
 BINDER_BYTES = 2 * 1024 ** 3
 
@@ -37,7 +37,7 @@ def tree_memory(root: psutil.Process) -> tuple:
 
 def peak_of_lesson(path) -> tuple:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "fsdplab.cli", "run", str(path), "--out", out, "--no-progress"]
+        cmd = [sys.executable, "-m", "fsdplab.runner.cli", "run", str(path), "--out", out, "--no-progress"]
         t0 = time.perf_counter()
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         root, peak = psutil.Process(child.pid), [0, 0]

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from fsdplab.runner import forkserver
-from fsdplab.cli import _value, lesson_paths, run_lessons
+from fsdplab.runner.cli import _value, lesson_paths, run_lessons
 
 TARGET_S = 240.0
 GROUPS = {   # group -> what a cell's source (comments removed) contains; the first match wins

@@ -120,7 +120,7 @@ def test_the_memory_visualizer_snapshot_reads_back_through_torchs_own_parser(tmp
 
     from torch.cuda import _memory_viz
 
-    from fsdplab.cli import main
+    from fsdplab.runner.cli import main
     from fsdplab.memory import memory_snapshot
 
     path = tmp_path / "step.pickle"

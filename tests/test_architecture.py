@@ -49,9 +49,6 @@ WING_OF = {
     "fsdplab.lessons": "lessons",
     "fsdplab.recipes": "lessons",           # the lessons' case studies as torchrun scripts
     # the app: everything behind the `fsdplab` command
-    "fsdplab.cli": "app",
-    "fsdplab.lab": "app",
-    "fsdplab.site": "app",
     "fsdplab.runner": "app",
     # the subject: one setting, one model registry, the apply_* functions and the step
     "fsdplab.settings": "subject",

@@ -10,7 +10,7 @@ import pytest
 
 import fsdplab.memory
 import fsdplab.memory.sweep
-from fsdplab import cli
+from fsdplab.runner import cli
 from fsdplab.models import resolve_model
 from fsdplab.settings import TrainSetting
 

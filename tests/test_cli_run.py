@@ -15,7 +15,7 @@ import psutil
 import pytest
 from papermill.translators import PythonTranslator
 
-from fsdplab.cli import declared_parameters, lesson_paths, main, run_lessons
+from fsdplab.runner.cli import declared_parameters, lesson_paths, main, run_lessons
 
 LESSONS = lesson_paths()
 IDS = [p.stem for p in LESSONS]
@@ -160,7 +160,7 @@ def test_a_dead_fork_server_is_named_and_the_run_goes_on_without_it(tmp_path):
 
 
 def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path, capsys):
-    from fsdplab.runner import output_lock
+    from fsdplab.runner.run import output_lock
 
     nb = tiny_notebook(tmp_path / "tiny.ipynb", "print(steps)")
     (tmp_path / "out").mkdir()
@@ -172,7 +172,7 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path, ca
 
 
 def test_a_torn_executed_notebook_never_replaces_the_last_whole_one(tmp_path):
-    from fsdplab.runner import _put_in_place
+    from fsdplab.runner.run import _put_in_place
 
     final, running = tmp_path / "05.ipynb", tmp_path / ".05.running.ipynb"
     final.write_text('{"cells": []}')

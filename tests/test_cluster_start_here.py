@@ -5,7 +5,7 @@ import nbformat
 import papermill
 import pytest
 
-from fsdplab.cli import NOTEBOOK_DIR
+from fsdplab.runner.cli import NOTEBOOK_DIR
 from fsdplab.exercises import check
 
 

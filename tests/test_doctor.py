@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdplab.cli import main
+from fsdplab.runner.cli import main
 from fsdplab.runner import doctor as D
 from fsdplab.settings import GIB, MIB
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdplab.cli import main
+from fsdplab.runner.cli import main
 from fsdplab.display import plot_sweep
 from fsdplab.memory import MemoryReport
 from fsdplab.models import resolve_model

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fsdplab.cli import main
+from fsdplab.runner.cli import main
 from fsdplab.memory.formula import formula
 from fsdplab.memory import estimate
 from fsdplab.models import tiny_twin

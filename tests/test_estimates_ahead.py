@@ -9,7 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from fsdplab import cli, lessons, memory
+from fsdplab import lessons, memory
+from fsdplab.runner import cli
 from fsdplab.memory import cache as estimate_cache, sweep
 from fsdplab.runner import estimates_ahead
 from fsdplab.lessons.activation_checkpointing import estimate_settings

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import fsdplab
-from fsdplab import cli
+from fsdplab.runner import cli
 from fsdplab.runner import forkserver
 from fsdplab.runtime.processes import PYTHON_COMMAND_ENV
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from jupyter_client import BlockingKernelClient
 
-from fsdplab import cli, lab
+from fsdplab.runner import cli, lab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ def test_a_built_wheel_carries_the_lessons_and_runs_them_from_outside_the_reposi
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     work = tmp_path / "work"
-    code = ("import fsdplab, fsdplab.cli as c; print(fsdplab.__file__); "
+    code = ("import fsdplab, fsdplab.runner.cli as c; print(fsdplab.__file__); "
             "print(len(c.lesson_paths()), c.lesson_paths()[0].parent)")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                          check=True, timeout=120).stdout.splitlines()

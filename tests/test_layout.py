@@ -32,7 +32,7 @@ def test_adding_a_model_is_one_registry_entry(monkeypatch):
     monkeypatch.setitem(MODELS, entry.name, entry)
     built = count_params(causal_lm("mini-llama"))
     assert formula(model="mini-llama", world_size=2).detail["total_params"] == built
-    from fsdplab.cli import main
+    from fsdplab.runner.cli import main
 
     assert main(["estimate", "--model", "mini-llama", "--world-size", "2", "--seq-len", "16", "--json"]) == 0
 

@@ -125,7 +125,7 @@ def test_report_methods():
 
 
 def test_cli_json(capsys):
-    from fsdplab.cli import main
+    from fsdplab.runner.cli import main
 
     assert main(["estimate", "--model", "tiny", "--world-size", "2", "--seq-len", "32", "--lora-rank", "8",
                  "--json"]) == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from fsdplab.cli import NOTEBOOK_DIR, lesson_paths, run_lessons
+from fsdplab.runner.cli import NOTEBOOK_DIR, lesson_paths, run_lessons
 
 LESSONS = lesson_paths()
 REPOSITORY = NOTEBOOK_DIR.parent

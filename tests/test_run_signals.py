@@ -17,7 +17,7 @@ import nbformat
 import psutil
 import pytest
 
-from fsdplab.runner import OWNER_FILE, remove_stale_temp
+from fsdplab.runner.run import OWNER_FILE, remove_stale_temp
 
 
 def tiny_notebook(path: Path, *cells: str) -> Path:

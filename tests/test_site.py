@@ -21,7 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from fsdplab import cli, site
+from fsdplab.runner import cli, site
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = os.environ.get("FSDPLAB_REQUIRE_BROWSER") == "1"

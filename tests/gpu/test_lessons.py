@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdplab.cli import lesson_paths
+from fsdplab.runner.cli import lesson_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = float(os.environ.get("FSDPLAB_LESSON_TIMEOUT", 300))

@@ -18,9 +18,9 @@ import re
 import shutil
 from pathlib import Path
 
-from .owned_folders import replace_owned
+from ..owned_folders import replace_owned
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parent.parent.parent
 # A printed verdict: "claim 13 'saving ...': WRONG. ...", "claim #7 PCIe ...: PARTLY: ...", "Claim 15 (partly): ...",
 # "belief 'no_sync saves memory': HALF RIGHT. ..."; and a row of a lesson's verdict table: "| 4 | ... | **WRONG** | ...".
 _WORD = r"half right|partly right|partly true|partly|plausible|right|true|wrong"

@@ -13,11 +13,11 @@ import tempfile
 from pathlib import Path
 
 from . import lab as lab_module
-from .runner import (INTERRUPTED, declared_parameters, figures_folder, output_lock, print_table,  # noqa: F401
+from .run import (INTERRUPTED, declared_parameters, figures_folder, output_lock, print_table,  # noqa: F401
                      run_lessons, stop_signals)
-from .settings import LORA_TARGETS
+from ..settings import LORA_TARGETS
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent / "notebooks"    # shipped with the package
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"    # shipped with the package
 BACKENDS = ("auto", "gloo", "nccl")
 BACKEND_ENV = "FSDPLAB_BACKEND"     # read by the lessons' clusters: the kernels and their ranks inherit it
 
@@ -264,12 +264,12 @@ def estimate_command(args) -> int:
     comma lists, --sweep or --plot -> every combination, as a table, one JSON object, or a heat map."""
     import json
 
-    from .memory import estimate
-    from .models import resolve_model
-    from .settings import TrainSetting
-    from .memory.sweep import check, sweep
+    from ..memory import estimate
+    from ..models import resolve_model
+    from ..settings import TrainSetting
+    from ..memory.sweep import check, sweep
 
-    from .settings import MAX_WORLD_SIZE, WORLD_SIZE_BOUND
+    from ..settings import MAX_WORLD_SIZE, WORLD_SIZE_BOUND
 
     # Every flag is checked here, before the model is loaded or any estimate starts.
     seq_lens = _positive_ints("--seq-len", args.seq_len)
@@ -315,7 +315,7 @@ def estimate_command(args) -> int:
         result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
                        gpu_mem_gib=args.gpu_mem_gib, workers=args.workers)
         if args.plot:
-            from .display import plot_sweep
+            from ..display import plot_sweep
 
             plot_sweep(result, args.plot)
         print(json.dumps(result.to_dict()) if args.json else result.table())
@@ -324,7 +324,7 @@ def estimate_command(args) -> int:
         return 0
     check(setting)
     if args.memory_snapshot:
-        from .memory import memory_snapshot
+        from ..memory import memory_snapshot
 
         report = memory_snapshot(setting, args.memory_snapshot, progress=not args.json)
     else:
@@ -337,7 +337,7 @@ def estimate_command(args) -> int:
         print(report.table(gpu_mem_gib=args.gpu_mem_gib))
         print(f"  ({report.seconds:.1f} s on fake tensors)")
     if args.timeline:
-        from .display import memory_over_step_figure
+        from ..display import memory_over_step_figure
 
         memory_over_step_figure(report, path=args.timeline)
         if not args.json:
@@ -354,8 +354,8 @@ def _one_line_error(parser):
 
 
 def main(argv=None) -> int:
-    from .models import MODELS
-    from .settings import ATTENTIONS, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
+    from ..models import MODELS
+    from ..settings import ATTENTIONS, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
 
     parser = argparse.ArgumentParser(prog="fsdplab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
         if args.command == "run":
             return run_command(args)
         if args.command == "doctor":
-            from .runner.doctor import doctor_command
+            from .doctor import doctor_command
 
             return doctor_command(args)
         if args.command == "site":

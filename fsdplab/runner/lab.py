@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parent / "notebooks"
+SHIPPED = Path(__file__).resolve().parent.parent / "notebooks"
 DEFAULT_DIR = "fsdplab-lessons"
 PARTIAL = ".partial"       # a copy under way: `.NAME.XXXX.partial`, hidden beside the lessons
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -161,7 +161,7 @@ def stop_jupyterlab(process: subprocess.Popen, wait_s: float = STOP_WAIT_S) -> N
 
 def serve(command: list, folder: Path) -> int:
     """Run JupyterLab until it exits (its exit code) or a stop signal reaches this command (130)."""
-    from .runtime.processes import die_with_parent
+    from ..runtime.processes import die_with_parent
 
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
     try:
