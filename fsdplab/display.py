@@ -321,7 +321,7 @@ def exact_in_background(dash, button, setting, done, wait: bool = False):
     notebook stays usable for the tens of seconds a 7B estimate takes."""
     import threading
 
-    from .memory import estimate
+    from .memory.exact import estimate
 
     result: dict = {}
 

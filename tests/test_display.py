@@ -106,9 +106,9 @@ def test_dashboard_labels_are_whole_and_bars_carry_their_numbers():
 
 
 def test_the_exact_button_shows_its_stages_as_a_bar(monkeypatch):
-    from fsdplab import memory
+    from fsdplab.memory import exact
 
-    said, real_estimate = [], memory.estimate
+    said, real_estimate = [], exact.estimate
     dash = D.memory_dashboard(model="tiny", world_size=2, seq_len=64, gpu_mem_gib=16)
     monkeypatch.setattr(dash, "say", said.append)
 
@@ -117,7 +117,7 @@ def test_the_exact_button_shows_its_stages_as_a_bar(monkeypatch):
             progress(line)
         return real_estimate(setting, progress=False, subprocess_mode=False)
 
-    monkeypatch.setattr(memory, "estimate", fake_estimate)
+    monkeypatch.setattr(exact, "estimate", fake_estimate)
     dash.exact(wait=True)
     bars = [line for line in said if "stage" in line]
     assert [b.split("stage ")[1][:1] for b in bars] == ["0", "1", "2", "3"], bars

@@ -11,7 +11,7 @@ import pytest
 
 from fsdplab import lessons, memory
 from fsdplab.runner import cli
-from fsdplab.memory import cache as estimate_cache, sweep
+from fsdplab.memory import cache as estimate_cache, exact, sweep
 from fsdplab.runner import estimates_ahead
 from fsdplab.lessons.activation_checkpointing import estimate_settings
 from fsdplab.lessons.cpu_offload import exact_settings
@@ -143,8 +143,8 @@ def test_estimates_ahead_marks_the_setting_it_is_making(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(tmp_path))
     tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
     seen = []
-    real = memory.estimate
-    monkeypatch.setattr(memory, "estimate", lambda s, **kw: seen.append(estimate_cache.pending_path(s).read_text())
+    real = exact.estimate
+    monkeypatch.setattr(exact, "estimate", lambda s, **kw: seen.append(estimate_cache.pending_path(s).read_text())
                         or real(s, **kw))
     estimates_ahead.estimate_missing([tiny])
     assert [json.loads(m)["pid"] for m in seen] == [os.getpid()] and not estimate_cache.pending_path(tiny).exists()

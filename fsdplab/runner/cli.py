@@ -264,7 +264,7 @@ def estimate_command(args) -> int:
     comma lists, --sweep or --plot -> every combination, as a table, one JSON object, or a heat map."""
     import json
 
-    from ..memory import estimate
+    from ..memory.exact import estimate
     from ..models import resolve_model
     from ..settings import TrainSetting
     from ..memory.sweep import check, sweep
@@ -324,7 +324,7 @@ def estimate_command(args) -> int:
         return 0
     check(setting)
     if args.memory_snapshot:
-        from ..memory import memory_snapshot
+        from ..memory.exact import memory_snapshot
 
         report = memory_snapshot(setting, args.memory_snapshot, progress=not args.json)
     else:

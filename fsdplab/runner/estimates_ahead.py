@@ -58,7 +58,7 @@ def stop(started) -> None:
 def estimate_missing(settings) -> None:
     """Estimate each of `settings` that is not yet in the run's cache (which the estimates fill)."""
     from ..memory.cache import cached_estimate, estimate_under_way, marked_under_way
-    from ..memory import estimate   # looked up at each call: a test replaces it
+    from ..memory.exact import estimate   # looked up at each call: a test replaces it
 
     for setting in settings:
         if cached_estimate(setting) is None and not estimate_under_way(setting):
