@@ -162,13 +162,17 @@ class Cluster:
         import ipyparallel as ipp
 
         group, env = self._group, self._engine_env()
-        # The controller registers an engine only after a heartbeat; the default 3 s period alone made
-        # start-up take 7 s instead of 2. Schedulers as threads: one controller process.
-        controller_args = ["--HeartMonitor.period=500", "--IPController.use_threads=True"]
+        # The controller registers an engine at the beat after the engine's first answer, one to two periods
+        # after its heart starts: the default 3 s period alone made start-up take 7 s instead of 2, and at 0.5 s
+        # that wait was still 0.5-1 s of each start. The misses keep the grace of a silent engine at 5 s.
+        # Schedulers as threads: one controller process.
+        controller_args = ["--HeartMonitor.period=100", "--HeartMonitor.max_heartmonitor_misses=50",
+                           "--IPController.use_threads=True"]
         if self._plan is not None:
-            # Listen where the nodes reach this machine; drop an engine after 3 s of missed heartbeats (how a
-            # rank on another node that died is noticed when its node cannot say).
-            controller_args.append("--HeartMonitor.max_heartmonitor_misses=6")
+            # Drop an engine after 3 s of missed heartbeats (how a rank on another node that died is noticed
+            # when its node cannot say); the engines there count the controller's beats in 1 s checks.
+            controller_args = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=6",
+                               "--IPController.use_threads=True"]
         group.ipp = ipp.Cluster(
             n=self.world_size, log_level=logging.ERROR, cluster_id=f"fsdplab-{os.getpid()}-{id(self)}",
             profile_dir=group.path("profile"), shutdown_atexit=False,
@@ -177,6 +181,9 @@ class Cluster:
         config.LocalEngineSetLauncher.environment = config.LocalControllerLauncher.environment = env
         # No nanny process per engine: the kernel watches and signals the ranks itself.
         config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
+        # ipyparallel waits 0.1 s between engines by default, to keep their ids in launch order; nothing here
+        # needs that (each rank's process is known from its setup's answer).
+        config.LocalEngineSetLauncher.delay = 0
         # On this machine: forks of `fsdplab run`'s fork server where there is one (processes.python_command).
         config.LocalEngineSetLauncher.engine_cmd = python_command("fsdplab.runtime.engine")
         config.LocalControllerLauncher.controller_cmd = python_command("ipyparallel.controller")
