@@ -23,6 +23,16 @@ class Local(Launcher):
     def threads(self, plan, world_size: int, backend: str) -> int:
         return max(1, (os.cpu_count() or 1) // world_size) if backend == "gloo" else 4
 
+    def configure(self, ipp, plan, env: dict, path) -> None:
+        # The engines start with the controller, not once it has written its connection file: each waits for
+        # the file itself (fsdplab.runtime.engine), importing ipyparallel and torch meanwhile. It waits as
+        # long as the kernel does (ipyparallel's connection_info_timeout, 60 s).
+        ipp.send_engines_connection_env = False
+        url_file = os.path.join(ipp.profile_dir, "security", f"ipcontroller-{ipp.cluster_id}-engine.json")
+        launcher = ipp.config.LocalEngineSetLauncher
+        launcher.engine_args = [*launcher.engine_args, f"--IPEngine.url_file={url_file}",
+                                "--IPEngine.wait_for_url_file=60"]
+
     def join_group(self, plan, group) -> tuple:
         import psutil
 
