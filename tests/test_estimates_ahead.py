@@ -198,3 +198,10 @@ def test_an_unwritable_cache_is_no_cache(tmp_path, monkeypatch, capsys):
     tiny = TrainSetting(model="tiny", world_size=2, seq_len=32)
     report = memory.estimate(tiny, progress=False, subprocess_mode=False)
     assert report.peak_bytes > 0 and "it is not cached" in capsys.readouterr().err
+
+
+def test_the_cache_key_covers_the_whole_package_code():
+    # a change to the step or a model changes what an estimate reports, so it must change the key
+    package = Path(memory.__file__).resolve().parent.parent
+    covered = set(estimate_cache.code_files())
+    assert {package / "sharding.py", package / "models.py", package / "memory" / "exact.py"} <= covered

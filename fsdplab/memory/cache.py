@@ -172,8 +172,14 @@ def cache_path(setting: TrainSetting) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
-    """A hash of every source file of the fsdplab package (the folder above this wing)."""
+    """A hash of every source file of the fsdplab package."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+    for path in code_files():
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def code_files() -> list:
+    """The files the fingerprint covers: all of fsdplab, not this wing alone (a report depends on the
+    settings, the models and the step as much as on the estimator)."""
+    return sorted(Path(__file__).resolve().parent.parent.rglob("*.py"))
