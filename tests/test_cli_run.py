@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -335,3 +337,14 @@ def test_lesson_runs_at_any_world_size(path, world_size, tmp_path, monkeypatch, 
     [(lesson, status, seconds, detail)] = run_lessons([path], tmp_path, world_size, params, progress=False)
     assert status == "ok", f"{lesson} at world size {world_size} failed at {detail}; see {tmp_path / path.name}"
     assert f"world_size = {world_size}" in injected_source(tmp_path / path.name)
+
+
+def test_no_progress_bars_in_a_log(tmp_path):
+    # stderr a file, as in CI or `fsdplab run > run.log 2>&1`: the log holds the lesson lines and the summary only.
+    nb = tiny_notebook(tmp_path / "tiny.ipynb", "print(steps)")
+    with open(tmp_path / "log", "w") as log:
+        done = subprocess.run([sys.executable, "-m", "fsdplab", "run", str(nb), "--out", str(tmp_path / "out")],
+                              stdout=log, stderr=log, timeout=300)
+    text = (tmp_path / "log").read_text()
+    assert done.returncode == 0, text
+    assert "Executing" not in text and "tiny" in text, text

@@ -167,6 +167,11 @@ def _backend_environment(backend):
             os.environ[BACKEND_ENV] = saved
 
 
+def _progress_bars(args) -> bool:
+    """papermill's per-cell bars only on a terminal: in a log file (CI, `> run.log`) they are most of it."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def run_command(args) -> int:
     """`fsdplab run`: execute the lessons, print a summary and where the executed notebooks are."""
     if args.world_size is not None and args.world_size < 1:
@@ -179,7 +184,7 @@ def run_command(args) -> int:
     # SIGTERM (`timeout`, a CI cancelling) ends a run as Ctrl-C does: summary, cleanup, no stray processes
     with stop_signals() as stop:
         with output_lock(out), _backend_environment(getattr(args, "backend", None)):
-            rows = run_lessons(paths, out, args.world_size, params, progress=not args.no_progress,
+            rows = run_lessons(paths, out, args.world_size, params, progress=_progress_bars(args),
                                figures=args.figures)
         stopped = stop is not None and stop.signum is not None
     print_table(rows)
@@ -379,7 +384,7 @@ def main(argv=None) -> int:
                           "`--figures docs/figures` regenerates the README's pictures")
     run.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
                      help="papermill parameter for lessons that declare it, e.g. -p steps 200")
-    run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
+    run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar (there is none when stderr is not a terminal)")
     run.add_argument("--backend", choices=BACKENDS, default=None,
                      help="the lessons' process groups: auto (nccl with one GPU per rank when there are enough, "
                           "else gloo on CPU ranks), gloo (CPU ranks even on a GPU machine) or nccl; sets "
