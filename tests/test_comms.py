@@ -171,6 +171,23 @@ def test_bytes_checker(steps):
     assert "at N=1" in check("02-bytes", lambda P, N: 3 * P / N, measured=measured, param_bytes=p).message
 
 
+def test_bytes_checker_past_the_measured_group_sizes():
+    from fsdplab.exercises import check
+
+    p = 1_000_000
+    measured = {1: 0.0, 2: 1.5 * p}        # what 2 ranks count: 3 x (2-1)/2 x P
+    assert check("02-bytes", lambda P, N: 3 * P * (N - 1) / N, measured=measured, param_bytes=p).ok
+    # all equal 3(N-1)/N x P at N = 1 and 2 only; at N = 4 they give twice the bytes or more
+    for wrong in (lambda P, N: 1.5 * P * (N - 1), lambda P, N: 0.75 * P * N * (N - 1),
+                  lambda P, N: 3 * P * (N - 1) / 2):
+        verdict = check("02-bytes", wrong, measured=measured, param_bytes=p)
+        assert not verdict.ok and "at N=4" in verdict.message, verdict.message
+    # a measurement at N = 4 replaces the model there
+    four = {**measured, 4: 2.25 * p}
+    assert "N = 1, 2, 4, and the ring model at N = 8" in check(
+        "02-bytes", lambda P, N: 3 * P * (N - 1) / N, measured=four, param_bytes=p).message
+
+
 def test_live_blocks_checker():
     from fsdplab.exercises import check
 

@@ -113,20 +113,28 @@ def claim6_verdict(backward_units: int, gains, claim=CLAIM6_GAIN) -> str:
 @exercise("02-bytes")
 def _bytes(answer, *, measured: dict, param_bytes: int):
     """The bytes one rank sends per FULL_SHARD step (ring model) as a formula `answer(P, N)`, checked at every
-    group size N the lesson measured (`measured`: N -> counted bytes): one number fits many wrong formulas."""
+    group size N the lesson measured (`measured`: N -> counted bytes) and, where it did not measure them, at
+    N = 4 and 8 against the ring byte model the lesson's checks hold the counts to: with only N = 1 and 2
+    measured, (N-1)/N cannot be told from (N-1)/2 or N(N-1)/4."""
+    from ..network import step_sent_bytes
+
     hint = ("one all-gather of every unit in forward, one more in backward (FULL_SHARD frees them after forward), "
             "one reduce-scatter of the gradients; each moves (N-1)/N of the full fp32 tensor per rank.")
     if not callable(answer):
         return False, (f"expected a formula of P and N, such as lambda P, N: 2 * P, got {answer!r}: one number "
                        f"cannot be checked at every group size.")
-    for n, counted in sorted(measured.items()):
+    modelled = {n: step_sent_bytes("full_shard", param_bytes, n) for n in (4, 8) if n not in measured}
+    cases = [(n, b, "the ranks sent") for n, b in sorted(measured.items())]
+    cases += [(n, b, "the ring model (which the counts above match) gives") for n, b in modelled.items()]
+    for n, expected, source in cases:
         try:
             value = float(answer(param_bytes, n))
         except Exception as err:  # noqa: BLE001 - the learner's code: say what it raised
             return False, f"your formula raised {type(err).__name__}: {err} at P={param_bytes}, N={n}."
-        if not abs(value - counted) <= 0.01 * max(counted, 1.0):
-            return False, (f"at N={n} your formula gives {value:,.0f} B, the ranks sent {counted:,.0f} B. Hint: {hint}")
-    return True, f"your formula matches the counted bytes at N = {', '.join(map(str, sorted(measured)))}."
+        if not abs(value - expected) <= 0.01 * max(expected, 1.0):
+            return False, f"at N={n} your formula gives {value:,.0f} B, {source} {expected:,.0f} B. Hint: {hint}"
+    also = f", and the ring model at N = {', '.join(map(str, modelled))}" if modelled else ""
+    return True, f"your formula matches the counted bytes at N = {', '.join(map(str, sorted(measured)))}{also}."
 
 
 @exercise("02-live-blocks")
