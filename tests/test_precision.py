@@ -74,6 +74,34 @@ def test_curve_spread_skips_nan():
     assert spread["bf16"] == pytest.approx(0.1) and spread["fp16 model"] == 0.0
 
 
+def test_curve_line_says_where_a_curve_turns_nan():
+    from fsdplab.lessons.mixed_precision import curve_line
+
+    nan = float("nan")
+    fp32 = [4.0, 3.5, 3.0]
+    assert "max |diff vs fp32| 1.00e-01" in curve_line("bf16", [4.0, 3.6, 3.0], fp32)
+    late = curve_line("fp16 model", [4.0, nan, nan], fp32)     # max() alone would print 0.00e+00 here
+    assert "last nan" in late and "NaN from step 1; before it max |diff vs fp32| 0.00e+00" in late
+    assert "NaN from step 0" in curve_line("fp16", [nan, nan, nan], fp32)
+
+
+def test_loss_curves_tick_whole_steps():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from fsdplab.lessons.mixed_precision import draw_curves
+
+    fp32 = [4.0 - 0.1 * i for i in range(20)]         # the lesson's 20 steps, at its figure size
+    fig = plt.figure(figsize=(11, 4.2))
+    draw_curves(fig, {"fp32": fp32, "bf16": [v + 1e-3 for v in fp32],
+                      "fp16 model": [fp32[0]] + [float("nan")] * 19})
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    plt.close(fig)
+
+
 def test_loss_scale_checker_and_verdicts():
     from fsdplab.exercises import check
     from fsdplab.lessons import mixed_precision as M

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from matplotlib.ticker import MaxNLocator
 
 from .checkers import exercise
 from .precision import underflow_fraction
@@ -156,6 +157,21 @@ def curve_spread(curves: dict, reference: str = "fp32") -> dict:
             for mode, losses in curves.items() if mode != reference}
 
 
+def curve_line(mode: str, losses: list, reference: list) -> str:
+    """One printed line per mode: first and last loss and the largest |loss - reference| over the finite steps.
+    A curve that turns NaN says from which step, so it never reads as close to the reference (Python's `max`
+    over comparisons with NaN would skip them)."""
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    finite = [abs(a - b) for a, b in zip(losses[:bad], reference)]
+    if bad == 0:
+        return f"{mode:<12} first {losses[0]:.4f}  last {losses[-1]:.4f}  NaN from step 0: no finite loss"
+    diff = f"max |diff vs fp32| {max(finite):.2e}"
+    if bad is None:
+        return f"{mode:<12} first {losses[0]:.4f}  last {losses[-1]:.4f}  {diff}"
+    return (f"{mode:<12} first {losses[0]:.4f}  last {losses[-1]:.4f}  NaN from step {bad}; "
+            f"before it {diff}")
+
+
 def draw_curves(fig, curves: dict, title: str = ""):
     """Left: loss per step for each precision mode. The finite curves lie on top of each other, so each mode
     gets its own marker, placed on different steps, and the panel states the largest distance from fp32; a
@@ -190,6 +206,8 @@ def draw_curves(fig, curves: dict, title: str = ""):
                 f"(largest: {worst}); markers sit on different steps so each is visible",
                 transform=ax.transAxes, fontsize=7.5, va="bottom",
                 bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+    for axis in (ax, ax_diff):      # steps are whole numbers: no 2.5 ticks
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)", title="loss")
     ax.legend(fontsize=8)
     ax_diff.set(yscale="log", xlabel="step", ylabel="|loss - fp32 loss| (nats)", title="distance from fp32")
