@@ -132,6 +132,20 @@ def test_policy_units_of_qwen7b(qwen):
     assert sum(n for _, n in blocks) == sum(p.numel() for p in qwen.parameters())
 
 
+def test_policy_units_record_each_units_own_parameters():
+    model = W.qwen_v1_meta()
+    units = W.policy_units(model, W.size_policy(5e7))   # here units nest: blocks inside `transformer`
+    assert all(n >= 0 for _, n in units), [u for u in units if u[1] < 0]
+    assert sum(n for _, n in units) == sum(p.numel() for p in model.parameters())
+    # each parameter belongs to the innermost unit around it (the root, '', around all)
+    names = [name for name, _ in units]
+    own = dict.fromkeys(names, 0)
+    for param_name, param in model.named_parameters():
+        around = [n for n in names if n == "" or param_name.startswith(n + ".")]
+        own[max(around, key=len)] += param.numel()
+    assert dict(units) == own
+
+
 def test_policy_units_match_real_fsdp1(cluster, twin):
     result = cluster.run(W.fsdp1_unit_count, twin, 4000)[0]
     assert result["fsdp1_units"] == result["predicted"] > 3
@@ -169,12 +183,26 @@ def test_claim_verdicts_follow_the_numbers():
 def test_lora_recompute_checker(flops):
     measured = A.recompute_ratio(flops["lora"]["none"], flops["lora"]["torch"])
     assert 1.4 < measured < 1.55, measured          # one more forward on a backward of about one forward
-    assert check("08-lora-recompute", measured * 1.01, measured=measured)
+    assert check("08-lora-recompute", measured * 1.005, measured=measured)
+    whole_step = (A.flops_at_depth(flops["lora"]["torch"], 32)["total"]
+                  / A.flops_at_depth(flops["lora"]["none"], 32)["total"])
+    assert abs(whole_step / measured - 1) > 0.01, (whole_step, measured)
     first_block = ((flops["lora"]["torch"]["block_forward"][0] + flops["lora"]["torch"]["block_backward"][0])
                    / (flops["lora"]["none"]["block_forward"][0] + flops["lora"]["none"]["block_backward"][0]))
     # the textbook 4/3, the first block's ratio (the old bug), a percentage, 1.0, a bool, text
-    for wrong in (4 / 3, first_block, 47.6, 1.0, True, "1.48", float("nan")):
+    # ... the whole step's ratio, printed next to the block's
+    for wrong in (4 / 3, first_block, whole_step, 47.6, 1.0, True, "1.48", float("nan")):
         assert not check("08-lora-recompute", wrong, measured=measured), wrong
+
+
+def test_lora_recompute_checker_at_the_exercises_setting():
+    lora = A.flop_table(A.wide_config("qwen-7b", layers=2), 512, modes=("none", "torch"), lora_rank=64)
+    measured = A.recompute_ratio(lora["none"], lora["torch"])
+    assert check("08-lora-recompute", measured * 0.997, measured=measured)
+    # the naive 1 + 1/2 (one more forward on F + F), and the 2048-token ratio the lesson printed first
+    at_2048 = A.flop_table(A.wide_config("qwen-7b", layers=2), 2048, modes=("none", "torch"), lora_rank=64)
+    for wrong in (1.5, A.recompute_ratio(at_2048["none"], at_2048["torch"])):
+        assert not check("08-lora-recompute", wrong, measured=measured), (wrong, measured)
 
 
 def test_saved_per_block_checker(twin):

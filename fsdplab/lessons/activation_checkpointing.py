@@ -392,7 +392,9 @@ def claim20_verdict(flags, keys=POSTS_SWIFT_KEYS) -> tuple:
 @exercise("08-lora-recompute")
 def _lora_recompute(answer, *, measured):
     """The FLOP ratio (with / without checkpointing) of a LoRA model's blocks, against the measured one."""
-    return close(answer, measured, rel=0.03,
+    # 0.5%: the whole step's ratio (3% lower) and the naive 1 + 1/2 (under 1% higher at 512 tokens) are
+    # wrong answers, and they lie close to the block's
+    return close(answer, measured, rel=0.005,
                  hint="with the base frozen, backward computes no weight gradients for it: about one forward, "
                       "not two. What does one more forward add to F + F?")
 

@@ -39,7 +39,8 @@ def size_policy(min_num_params: float = POSTS_MIN_NUM_PARAMS):
 
 def policy_units(model: nn.Module, policy) -> list:
     """(name, parameters) of every unit FSDP1's auto-wrap makes of `model` with `policy`, children before
-    parents, the root ('') last with what no unit took.
+    parents, the root ('') last with what no unit took. A unit's parameters are its own, those no unit
+    inside it took, so the sizes add up to the model's count.
 
     The walk FSDP1 does (torch.distributed.fsdp.wrap._recursive_wrap, called with only_wrap_children for the
     root, which FSDP1 wraps itself): ask `policy(recurse=True)` with the module's parameter count whether to
@@ -54,7 +55,7 @@ def policy_units(model: nn.Module, policy) -> list:
         wrapped = sum(walk(child, f"{name}.{child_name}" if name else child_name)
                       for child_name, child in module.named_children())
         if not is_root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
-            units.append((name, numel))
+            units.append((name, numel - wrapped))   # its own: the units inside it hold the rest
             return numel
         return wrapped
 
