@@ -64,7 +64,9 @@ def read_ratio(counts) -> float:
 @exercise("05-reshard-reads")
 def _reshard_reads(answer, *, measured, saved_ranks, loading_ranks):
     """The answer: the largest `loaded / kept` ratio of one loading rank, as measured by ReadCounter."""
-    return close(answer, measured, rel=0.1, unit="x",
+    # 2%: the paper answer (whole rows, no step counters) lies about 1% from the measured ratio; 8/3 or
+    # 3.25 against 2.96 are a wrong count of overlapped chunks
+    return close(answer, measured, rel=0.02, unit="x",
                  hint=f"a rank loads, whole, every chunk saved by the {saved_ranks} saving rank(s) that its new "
                       f"rows overlap. Split one tensor's rows into {saved_ranks} saved chunks and {loading_ranks} "
                       f"new shards: which new shard overlaps the most saved rows, relative to its own size?")
