@@ -320,6 +320,7 @@ def _hsdp_inter(answer, *, measured):
     """The learner's HSDP bytes between nodes per step (whole job, in units of P, the model's bytes) against
     the lesson's count."""
     return close(answer, measured, rel=0.02, unit=" x P",
-                 hint="only the all-reduce over 'replicate' crosses nodes. Each rank all-reduces its 1/ranks_per_node "
-                      "gradient shard with one rank per node; a ring all-reduce over n ranks sends 2(n-1)/n of the "
-                      "tensor per rank. Multiply by the number of ranks.")
+                 hint="only the all-reduce over the mesh's first dimension ('replicate') crosses nodes. With a mesh "
+                      "(replicas, shards) each rank all-reduces its 1/shards of the gradient with the other ranks of "
+                      "its replicate group; a ring all-reduce over n ranks sends 2(n-1)/n of that tensor from each "
+                      "rank to the next in the ring. Add up only the hops between ranks on different nodes.")
