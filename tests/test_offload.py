@@ -141,6 +141,27 @@ def test_cost_figure_marks_each_speed_on_its_curve():
     plt.close(fig)
 
 
+def test_cost_figure_stars_the_marked_speed_and_labels_its_lowest_case():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speeds = {"default": 3e-9, "here": 20e-9}
+    tables = {k: L.cost_table(7.72e9, 8, v) for k, v in speeds.items()}
+    fused = L.cost_table(7.72e9, 8, 0.5e-9)
+    fig = plt.figure()
+    L.draw_cost(fig, tables, 7.72e9, 8, speeds, marked={"fused": 0.5e-9})
+    ax = fig.axes[1]
+    stars = [ln for ln in ax.lines if ln.get_marker() == "*" and len(ln.get_xdata()) == 1]
+    assert sorted(ln.get_ydata()[0] for ln in stars) == pytest.approx(sorted(r["slowdown"] for r in fused.values()))
+    assert "fused" in [t.get_text() for t in ax.get_legend().get_texts()]
+    slowdown, name, label = L.lowest_case({**tables, "fused": fused})
+    assert label == "fused" and slowdown == fused[name]["slowdown"] < tables["default"][name]["slowdown"]
+    assert f"{name}: {slowdown:.2f}x" in [t.get_text() for t in ax.texts]
+    plt.close(fig)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_host_bandwidth_needs_a_gpu():
     assert O.measure_host_bandwidth() is None
@@ -189,6 +210,8 @@ def test_lesson03_verdicts_follow_the_numbers():
     assert L.link_verdict({"A": 9.0, "B": 63.0}).startswith("PARTLY")
     assert L.slowdown_verdict(1.8, 63.0).startswith("WRONG")
     assert L.slowdown_verdict(1.35, 20.0).startswith("PARTLY")
+    near = L.slowdown_verdict(1.37, 25.7, near="A10 with CPU AdamW(fused=True)")
+    assert near.startswith("PARTLY: only A10 with CPU AdamW(fused=True) comes near") and "fastest" not in near
     assert L.slowdown_verdict(1.1, 1.4).startswith("RIGHT")
     tables = {"a": L.cost_table(7.72e9, 8, 2e-9), "b": L.cost_table(7.72e9, 8, 20e-9)}
     low, high = L.slowdown_range(tables)

@@ -142,12 +142,14 @@ CLAIMED_SLOWDOWN = 1 / (1 - 0.3)
 
 def draw_cost(fig, tables: dict, num_params: float, world_size: int, speeds: dict,
               claimed_slowdown: float = CLAIMED_SLOWDOWN,
-              seq_len: int = 2048, title: str = "", reported=(3, 10)):
+              seq_len: int = 2048, title: str = "", reported=(3, 10), marked: dict | None = None):
     """Left: stacked step-time bars per GPU, without offload and with offload at each CPU AdamW speed.
     Right: the slowdown as a function of the CPU AdamW speed, each speed of `speeds` marked on the curves,
     against the posts' 30% (a 1.43x step) and the `reported` range of pytorch#74588.
 
-    `speeds`: label -> CPU AdamW seconds per parameter; `tables`: label -> cost_table(...) at that speed."""
+    `speeds`: label -> CPU AdamW seconds per parameter; `tables`: label -> cost_table(...) at that speed.
+    `marked`: more speeds (label -> seconds per parameter) marked on the right panel only, each with a star
+    on every curve, and the lowest of them labelled with its slowdown: the case a verdict may rest on."""
     import numpy as np
 
     ax_time, ax_ratio = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
@@ -172,19 +174,33 @@ def draw_cost(fig, tables: dict, num_params: float, world_size: int, speeds: dic
     ax_time.set(ylabel="modelled step time per rank (s)",
                 title=f"{num_params / 1e9:.2f}B params, {world_size} ranks, {seq_len} tokens/rank")
     ax_time.legend(fontsize=8, title="; ".join(f"{short[k]}: {k}" for k in speeds), title_fontsize=7)
-    lo, hi = min(speeds.values()), max(speeds.values())
+    marked = marked or {}
+    lo, hi = min([*speeds.values(), *marked.values()]), max([*speeds.values(), *marked.values()])
     grid = np.unique(np.concatenate([np.logspace(np.log10(lo) - 1, np.log10(hi) + 0.5, 60), list(speeds.values())]))
     markers = ["o", "s", "^", "D"]
+    colors = {}
     for name in gpus:
         base = first[name]["no offload"]["total"]
         ratio = [step_time(num_params, world_size, name, cpu_offload=True, cpu_adam_seconds_per_param=s,
                            tokens_per_rank=seq_len)["total"] / base for s in grid]
         line, = ax_ratio.plot(grid * 1e9, ratio, label=name)
+        colors[name] = line.get_color()
         for marker, (label, spp) in zip(markers, speeds.items()):
             ax_ratio.plot([spp * 1e9], [tables[label][name]["slowdown"]], marker, color=line.get_color())
     for marker, (label, spp) in zip(markers, speeds.items()):
         ax_ratio.plot([], [], marker, color="gray", label=short[label])
         ax_ratio.axvline(spp * 1e9, color="gray", ls=":", lw=1)
+    for label, spp in marked.items():
+        ratios = {}
+        for name in gpus:
+            base = first[name]["no offload"]["total"]
+            ratios[name] = step_time(num_params, world_size, name, cpu_offload=True, cpu_adam_seconds_per_param=spp,
+                                     tokens_per_rank=seq_len)["total"] / base
+            ax_ratio.plot([spp * 1e9], [ratios[name]], "*", markersize=11, color=colors[name])
+        ax_ratio.plot([], [], "*", markersize=11, color="gray", label=label)
+        best = min(ratios, key=ratios.get)
+        ax_ratio.annotate(f"{best}: {ratios[best]:.2f}x", (spp * 1e9, ratios[best]), xytext=(8, -12),
+                          textcoords="offset points", fontsize=7)
     ax_ratio.axhline(claimed_slowdown, color="k", ls="--", label=f"posts: -30% throughput = {claimed_slowdown:.2f}x")
     ax_ratio.axhspan(*reported, color="tab:red", alpha=0.12, label=f"reported {reported[0]:g}-{reported[1]:g}x "
                                                                    "(pytorch#74588)")
@@ -199,7 +215,8 @@ def draw_cost(fig, tables: dict, num_params: float, world_size: int, speeds: dic
         axis.set_minor_formatter(NullFormatter())
     for axis, limits in ((ax_ratio.yaxis, ax_ratio.get_ylim()), (ax_ratio.xaxis, ax_ratio.get_xlim())):
         axis.set_ticks([v for v in (0.1, 0.2, 0.5, 1, 1.5, 2, 3, 5, 10, 20, 50) if limits[0] <= v <= limits[1]])
-    ax_ratio.legend(fontsize=7)
+    # below the panel: inside it, the legend covers the fastest GPU's curve
+    ax_ratio.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -224,13 +241,19 @@ def slowdown_range(tables: dict) -> tuple:
     return min(values), max(values)
 
 
-def slowdown_verdict(low: float, high: float, claimed: float = CLAIMED_SLOWDOWN) -> str:
-    """'Offload costs ~30%' (30% less throughput: a 1.43x step), from the range of modelled slowdowns."""
+def lowest_case(tables: dict) -> tuple:
+    """(slowdown, GPU name, CPU speed label) of the cheapest case: `tables` is label -> cost_table."""
+    return min((row["slowdown"], name, label) for label, table in tables.items() for name, row in table.items())
+
+
+def slowdown_verdict(low: float, high: float, claimed: float = CLAIMED_SLOWDOWN, near: str = "") -> str:
+    """'Offload costs ~30%' (30% less throughput: a 1.43x step), from the range of modelled slowdowns.
+    `near` names the case that gives `low` (lowest_case), for the PARTLY wording."""
     span = f"modelled slowdown {low:.2f}x to {high:.1f}x (posts: 30% less throughput = {claimed:.2f}x)"
     if high <= 1.15 * claimed:
         return f"RIGHT: {span}"
     if low <= 1.15 * claimed:
-        return f"PARTLY: only the fastest GPU-CPU pairing comes near: {span}"
+        return f"PARTLY: only {near or 'the cheapest case modelled'} comes near: {span}"
     return f"WRONG: {span}"
 
 
