@@ -79,6 +79,18 @@ def test_step_time_checker_rejects_the_answers_a_learner_gets_wrong():
     assert check("10-step-time", even + delay, measured=measured)
     for wrong in (even, delay, even + 2 * delay, (even + delay) * 2, even / 2 + delay, "0.14", None):
         assert not check("10-step-time", wrong, measured=measured), wrong
+    # a lesson run's numbers: the straggler's work added half again, or a guess well short, are wrong
+    even, delay, measured = 0.1150, 0.0926, 0.2076
+    assert check("10-step-time", even + delay, measured=measured)
+    for wrong in (0.16, 1.5 * even, even):
+        assert not check("10-step-time", wrong, measured=measured), wrong
+        assert not check("10-step-time", wrong, measured=measured, predicted=even + delay), wrong
+    # a loaded machine: the fast ranks waited longer than the work added (33 + 34.5 ms against 80 ms)
+    even, delay, measured = 0.0331, 0.0345, 0.0800
+    assert not check("10-step-time", even + delay, measured=measured)
+    assert check("10-step-time", even + delay, measured=measured, predicted=even + delay)
+    for wrong in (1.5 * even, even, delay):
+        assert not check("10-step-time", wrong, measured=measured, predicted=even + delay), wrong
 
 
 def test_cluster_env_reaches_the_ranks_and_is_checked():

@@ -173,7 +173,15 @@ def straggler_score(values: list) -> float:
 # --- exercise ----------------------------------------------------------------------------------------------
 
 @exercise("10-step-time")
-def _step_time(answer, *, measured):
-    return close(answer, measured, rel=0.25, unit=" s",
-                 hint="every collective waits for the slowest rank: each step of every rank takes about the "
-                      "straggler's extra time on top of the step without it.")
+def _step_time(answer, *, measured, predicted=None):
+    """A fast rank's step time with the straggler, against the measured one or, when given, `predicted`
+    (the even step plus the straggler's extra work: the reasoning asked for, which timing noise on shared CPU
+    ranks can put more than 10% from the measurement)."""
+    hint = ("every collective waits for the slowest rank: each step of every rank takes about the "
+            "straggler's extra time on top of the step without it.")
+    # 10%: refuses 1.5x the even step and guesses well short, which 25% took
+    ok, message = close(answer, measured, rel=0.1, unit=" s", hint=hint)
+    if not ok and predicted is not None and close(answer, predicted, rel=0.1)[0]:
+        return True, (f"{float(answer):g} s is within 10% of the even step plus the extra work ({predicted:g} s); "
+                      f"the fast ranks measured {measured:g} s: they waited a little longer than the work added.")
+    return ok, message
