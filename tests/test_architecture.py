@@ -45,6 +45,7 @@ WING_OF = {
     "fsdplab.dist": "face",                 # the older name of fsdplab.ranks
     "fsdplab.exercises": "face",
     "fsdplab.display": "face",
+    "fsdplab.records": "face",
     # the lessons: one module per lesson, the checkers, the posts' claims
     "fsdplab.lessons": "lessons",
     "fsdplab.recipes": "lessons",           # the lessons' case studies as torchrun scripts
