@@ -348,3 +348,20 @@ def test_no_progress_bars_in_a_log(tmp_path):
     text = (tmp_path / "log").read_text()
     assert done.returncode == 0, text
     assert "Executing" not in text and "tiny" in text, text
+
+
+def test_run_writes_each_lessons_records_and_keeps_the_other_lessons(tmp_path):
+    from fsdplab.records import read_run
+
+    first = tiny_notebook(tmp_path / "a.ipynb", "from fsdplab.records import record, check\n"
+                                                "record('00-steps', steps * 2, 'x')\ncheck('00-ok', steps == 3)")
+    second = tiny_notebook(tmp_path / "b.ipynb", "from fsdplab.records import record\nrecord('01-label', label)")
+    out = tmp_path / "out"
+    run_lessons([first, second], out, progress=False)
+    lessons = read_run(out)
+    assert [(r["name"], r.get("value", r.get("ok"))) for r in lessons["a"]] == [("00-steps", 6), ("00-ok", True)]
+    assert [r["value"] for r in lessons["b"]] == ["tiny"]
+    run_lessons([first], out, parameters={"steps": 5}, progress=False)   # one lesson again: b's records stay
+    lessons = read_run(out)
+    assert lessons["a"][0]["value"] == 10 and lessons["a"][1]["ok"] is False and lessons["b"][0]["value"] == "tiny"
+    assert json.loads((out / "records.json").read_text())["run_info"]["torch"]

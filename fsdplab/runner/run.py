@@ -216,7 +216,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     forks of one fork server (fsdplab.runner.forkserver) that lives as long as the run, as are their kernels."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run_info.json").write_text(json.dumps(site.run_info()))   # the machine, for `fsdplab site`
+    info = site.run_info()
+    (out / "run_info.json").write_text(json.dumps(info))   # the machine, for `fsdplab site`
     figures = figures_folder(figures, out)
     # One estimate cache for the whole run: lessons that estimate the same setting exactly do it once.
     remove_stale_temp()
@@ -244,6 +245,7 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                         break
                     rows.append(_run_one(path, f"[{i}/{len(paths)}]", out, figures, world_size, parameters,
                                          progress, scratches))
+                    write_records(out, path.stem, info)
                     if server is not None and server.poll() is not None:
                         rows[-1] = (*rows[-1][:3], _server_died(server, rows[-1][3]))
                         forkserver.stop(server)      # unsets FSDPLAB_FORKSERVER: the next kernels start directly
@@ -261,6 +263,26 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
             shutil.rmtree(scratch, ignore_errors=True)
         if own_cache:
             shutil.rmtree(own_cache, ignore_errors=True)
+
+
+def write_records(out: Path, lesson: str, info: dict) -> None:
+    """Put `lesson`'s records (from its executed notebook in `out`) into `out`/records.json, which keeps the
+    other lessons' records already there: {"lessons": {stem: [records...]}, "run_info": the machine}."""
+    from .. import records
+
+    path = out / "records.json"
+    try:
+        lessons = records.read_run(path)
+    except ValueError:   # none yet, or not readable: this run's lessons start it afresh
+        lessons = {}
+    executed = out / f"{lesson}.ipynb"
+    try:
+        lessons[lesson] = records.read(executed)
+    except ValueError:   # no executed notebook (stopped before papermill wrote one)
+        lessons.pop(lesson, None)
+    temp = out / ".records.json.tmp"
+    temp.write_text(json.dumps({"lessons": lessons, "run_info": info}, indent=1))
+    os.replace(temp, path)
 
 
 def _server_died(server, detail: str) -> str:
