@@ -399,6 +399,11 @@ def main(argv=None) -> int:
     web.add_argument("run", nargs="?", default="runs", help="the folder `fsdplab run --out` wrote (default: runs)")
     web.add_argument("--out", default="site", help="folder for the site (default: site; replaced if it exists)")
 
+    cmp = sub.add_parser("compare", help="the records of two runs side by side: what moved beyond its tolerance")
+    cmp.add_argument("run_a", metavar="RUN_A", help="a folder `fsdplab run --out` wrote, or its records.json")
+    cmp.add_argument("run_b", metavar="RUN_B", help="the run to compare with RUN_A")
+    cmp.add_argument("--all", action="store_true", help="list every record, the unchanged ones too")
+
     est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)",
                          description="Exact per-GPU memory of a training setup on fake tensors (no GPU needed). "
                                      "--seq-len, --batch-size and --world-size take comma lists: every combination "
@@ -463,6 +468,10 @@ def main(argv=None) -> int:
             from . import site
 
             return site.site_command(args)
+        if args.command == "compare":
+            from .compare import compare_command
+
+            return compare_command(args)
         return estimate_command(args)
     except ValueError as e:  # a user mistake: one line with the fix, no traceback
         print("fsdplab: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
