@@ -101,3 +101,59 @@ def test_bad_inputs_say_what_to_pass(tmp_path):
     (tmp_path / "records.json").write_text("[]")
     with pytest.raises(ValueError, match="'lessons'"):
         read(tmp_path / "records.json")
+
+
+# --- fsdplab compare ------------------------------------------------------------------------------------
+def value(name, v, tolerance=None):
+    return {"name": name, "kind": "value", "value": v, "unit": "", "claim": None, "tolerance": tolerance, "note": ""}
+
+
+def write_run(folder, lessons, device="CPU only (gloo ranks)"):
+    folder.mkdir()
+    (folder / "records.json").write_text(json.dumps({"lessons": lessons, "run_info": {"device": device}}))
+    return folder
+
+
+@pytest.mark.parametrize("a, b, tolerance, moved", [
+    (1024, 1024, None, False), (1024, 1025, None, True),          # ints exact
+    (1.0, 1.0 + 1e-9, None, False), (1.0, 1.0 + 1e-5, None, True),  # floats 1e-6 relative
+    (100.0, 104.0, 0.05, False), (100.0, 106.0, 0.05, True),
+    (0.0, 0.0, 0.05, False), (float("nan"), float("nan"), None, False), (1.0, float("nan"), 0.5, True),
+    ("bf16", "bf16", None, False), ("bf16", "fp32", 0.5, True), (True, 1, None, True),
+    ([1, 2.0], [1, 2.0], None, False), ([1, 2], [1, 2, 3], None, True), ([10.0], [10.4], 0.05, False),
+    ({"a": 1}, {"a": 2}, None, True), ({"a": 1}, {"b": 1}, None, True),
+])
+def test_compare_moves_a_value_only_beyond_its_tolerance(a, b, tolerance, moved):
+    from fsdplab.runner import compare
+
+    assert compare.status(value("01-x", a, tolerance), value("01-x", b, tolerance)) == (
+        compare.MOVED if moved else compare.SAME)
+
+
+def test_compare_lists_timings_but_never_flags_them_and_names_one_sided_records(tmp_path, capsys):
+    from fsdplab.runner import compare
+
+    ok = {"name": "03-fits", "kind": "check", "ok": True, "detail": ""}
+    a = write_run(tmp_path / "a", {"03_cpu_offload": [value("03-bytes", 4096), value("03-step", 0.2, "timing"),
+                                                      ok, value("03-gone", 1)]})
+    b = write_run(tmp_path / "b", {"03_cpu_offload": [value("03-bytes", 8192), value("03-step", 9.0, "timing"),
+                                                      dict(ok, ok=False), value("03-same", 1)]},
+                  device="1 x NVIDIA H100")
+    assert compare.compare(a, b) == 0
+    out = capsys.readouterr().out
+    table = {line.split()[1]: line.split()[-1] if "only" not in line else " ".join(line.split()[-3:])
+             for line in out.splitlines() if line.startswith("03_")}
+    assert table == {"03-bytes": "moved", "03-step": "timing", "03-fits": "moved", "03-gone": "only in A",
+                     "03-same": "only in B"}
+    assert "4 of 5 records moved" in out and "1 x NVIDIA H100" in out and "+100.0%" in out
+    assert compare.compare(a, a) == 0 and "agree" not in capsys.readouterr().out   # a's timing is still listed
+    assert len(compare.rows(*[compare.load(a)[0]] * 2, everything=True)) == 4
+
+
+def test_compare_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from fsdplab.runner.cli import main
+
+    write_run(tmp_path / "a", {})
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0], err
