@@ -239,3 +239,34 @@ def test_the_site_in_chromium(small_run, executed_lessons, tmp_path):
             browser.close()
     finally:
         server.shutdown()
+
+
+def test_a_lessons_records_show_as_a_table_on_its_page(tmp_path):
+    from fsdplab.records import MIME_TYPE, line
+
+    def shown(rec):
+        return nbformat.v4.new_output("display_data", data={MIME_TYPE: rec, "text/plain": line(rec)})
+
+    def value(name, v, unit="", claim=None, tolerance=None):
+        return {"name": name, "kind": "value", "value": v, "unit": unit, "claim": claim, "tolerance": tolerance,
+                "note": ""}
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _lesson(run / "03_third.ipynb", "03 · Third", "no verdict\n")
+    nb = nbformat.read(run / "03_third.ipynb", as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("record(...)", outputs=[
+        shown(value("03-bytes", 1000)), shown(value("03-bytes", 4096, "B", claim=7)),   # a cell run again
+        shown(value("03-step", 0.25, "s", tolerance="timing")),
+        shown({"name": "03-fits", "kind": "check", "ok": True, "detail": ""}),
+        shown({"name": "03-faster", "kind": "check", "ok": False, "detail": "0.3 s > 0.2 s"})]))
+    nbformat.write(nb, run / "03_third.ipynb")
+    _lesson(run / "04_none.ipynb", "04 · None", "nothing recorded\n")
+    out = tmp_path / "site"
+    site.build(run, out)
+    page = (out / "03_third.html").read_text()
+    table = re.search(r'<table class="records">(.*?)</table>', page).group(1)
+    cells = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+    assert cells == [["<code>03-bytes</code>", "4,096 B", "7", "", ""], ["<code>03-step</code>", "0.25 s", "", "timing", ""]]
+    assert "Checks: 1 of 2 ok; <b>03-faster failed</b>: 0.3 s &gt; 0.2 s" in page
+    assert 'class="records"' not in (out / "04_none.html").read_text()

@@ -116,6 +116,29 @@ def _claim_list(stem: str, found: list) -> str:
             f'</summary><ul style="list-style:none;padding-left:0">{rows}</ul></details>')
 
 
+def _records_table(nb) -> str:
+    """The numbers the lesson recorded (fsdplab.records) as a small table, and its checks in one line."""
+    from .. import records
+
+    found = records.by_name(records.from_notebook(nb)).values()
+    values = [r for r in found if r.get("kind") != "check"]
+    checks = [r for r in found if r.get("kind") == "check"]
+    if not values and not checks:
+        return ""
+    rows = "".join(f"<tr><td><code>{html.escape(r['name'])}</code></td>"
+                   f"<td>{html.escape(records.line(r).split(' = ', 1)[1])}</td>"
+                   f"<td>{'' if r.get('claim') is None else r['claim']}</td>"
+                   f"<td>{'timing' if r.get('tolerance') == records.TIMING else ''}</td>"
+                   f"<td>{html.escape(r.get('note') or '')}</td></tr>" for r in values)
+    failed = [r for r in checks if not r.get("ok")]
+    summary = (f"<p>Checks: {len(checks) - len(failed)} of {len(checks)} ok"
+               + "".join(f'; <b>{html.escape(r["name"])} failed</b>: {html.escape(r.get("detail") or "")}'
+                         for r in failed) + "</p>") if checks else ""
+    table = ('<table class="records"><tr><th>record</th><th>value</th><th>claim</th><th></th><th>note</th></tr>'
+             f"{rows}</table>") if values else ""
+    return f'<details class="records" open><summary>Recorded by this run</summary>{table}{summary}</details>'
+
+
 def _label(what: str) -> str:
     """A badge's words: "claim 13" for a claim, the belief itself for a belief (quotes dropped), at most 48 letters."""
     claim = re.match(r"claims? #?(\d+(?:(?:, | and |-)\d+)*)", what, re.I)
@@ -249,7 +272,7 @@ def _write_site(run: Path, lessons: list, out: Path, built: dict) -> None:
                          f'title="{html.escape(what)}">{html.escape(_label(what))}: {word.lower()}</a>'
                          for what, word, kind, cid in found)
         top = (f'<div style="margin:1em 1em 0 100px"><p class="machine"><a href="index.html">All lessons</a> · '
-               f'{html.escape(machine)}</p>{_claim_list(path.stem, found)}</div>')
+               f'{html.escape(machine)}</p>{_claim_list(path.stem, found)}{_records_table(nb)}</div>')
         body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + top, body, count=1)
         (out / f"{path.stem}.html").write_text(body)
         index.append(f'<div class="lesson"><a href="{path.stem}.html"><b>{html.escape(title)}</b></a><br>{badges}</div>')
