@@ -1,4 +1,7 @@
-"""Every lesson notebook runs end to end with papermill at its small defaults; its own asserts are the check.
+"""Every lesson notebook runs end to end with papermill at its small defaults; its own checks are the check.
+
+A lesson that ends with a cell tagged `checks` (fsdplab.records.check calls) records at least one number and
+every one of its checks is ok, read back from the executed notebook.
 
 A run also must leave the repository as it was (figures and files go under the output folder) and show no
 warning the learner did not ask for."""
@@ -10,6 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from fsdplab import records
 from fsdplab.runner.cli import NOTEBOOK_DIR, lesson_paths, run_lessons
 
 LESSONS = lesson_paths()
@@ -36,6 +40,13 @@ def noise(executed: Path) -> list:
 
 
 
+def has_checks_cell(path: Path) -> bool:
+    """A converted lesson: its last cell is the code cell tagged `checks`, collapsed."""
+    last = nbformat.read(path, as_version=4).cells[-1]
+    return (last.cell_type == "code" and "checks" in last.metadata.get("tags", [])
+            and last.metadata.get("jupyter", {}).get("source_hidden") is True)
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
 def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache, executed_lessons):
@@ -49,5 +60,16 @@ def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache, executed
     changed = sorted(str(p.relative_to(REPOSITORY)) for p in set(before) | set(after) if before.get(p) != after.get(p))
     assert not changed, f"running {lesson} wrote into the repository: {changed}"
     assert not noise(executed), f"{lesson} shows warnings a learner did not ask for: {noise(executed)}"
+    if has_checks_cell(path):
+        found = records.read(executed)
+        values = [r for r in found if r["kind"] == "value"]
+        checks = [r for r in found if r["kind"] == "check"]
+        assert values, f"{lesson} recorded no number (fsdplab.records.record)"
+        assert checks, f"{lesson}'s cell tagged checks recorded no check"
+        failed = [records.line(r) for r in checks if not r["ok"]]
+        assert not failed, f"{lesson}: {failed}"
+        names = [r["name"] for r in found]
+        assert len(names) == len(set(names)), f"{lesson} records a name twice: {names}"
+        assert all(name.startswith(path.stem[:2] + "-") for name in names), f"{lesson}: {names}"
     for name in (path.name, "run_info.json"):   # for tests/test_site.py: the site is built from these
         shutil.copy(tmp_path / name, executed_lessons / name)
