@@ -55,8 +55,13 @@ def _shown(value) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        return f"{value:,.6g}" if math.isfinite(value) else str(value)
-    text = json.dumps(value, separators=(", ", ": "))
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:,.0f}" if value.is_integer() and abs(value) < 1e15 else f"{value:,.4g}"
+    if isinstance(value, dict):
+        text = "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    else:
+        text = "[" + ", ".join(_shown(v) for v in value) + "]"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -20,7 +20,9 @@ def outside_a_kernel(monkeypatch):
 def test_record_prints_one_line_and_returns_the_value(capsys):
     assert record("02-bytes", 1234, "B") == 1234
     assert record("02-ratio", 1.5, "x", tolerance=0.05) == 1.5
-    assert capsys.readouterr().out.splitlines() == ["record 02-bytes = 1,234 B", "record 02-ratio = 1.5 x"]
+    record("02-peaks", {"ddp": 2048, "fsdp": [0.123456, 1e9 / 3]}, "B")
+    assert capsys.readouterr().out.splitlines() == ["record 02-bytes = 1,234 B", "record 02-ratio = 1.5 x",
+                                                    "record 02-peaks = {ddp: 2,048, fsdp: [0.1235, 3.333e+08]} B"]
 
 
 def test_rank_zero_appends_json_lines_and_other_ranks_record_nothing(tmp_path, monkeypatch, capsys):
