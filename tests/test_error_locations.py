@@ -101,8 +101,20 @@ def test_the_notebook_shows_the_users_frames_only(shell):
     assert "ranks 0-1: RuntimeError: from a rank" in text, text
     number, error = cell(shell, "%%ranks\nraise RuntimeError('in a ranks cell')\n")
     text = strip_ansi("\n".join(error._render_traceback_()))
-    assert f"Cell In[{number}], line 1" in text and f"(Cell In[{number}], line 2)" in text, text
+    assert f"(Cell In[{number}], line 2)" in text and "raise RuntimeError('in a ranks cell')" in text, text
+    assert "run_cell_magic" not in text, text      # IPython's call of the magic: the whole cell as one string
     assert "interactiveshell.py" not in text and "magics.py" not in text and "fsdplab" + "/" not in text, text
+
+
+def test_a_ranks_cell_used_wrongly_is_one_line(shell):
+    from IPython.core.error import UsageError
+
+    for source, says in (("%%ranks -x\npass\n", "%%ranks options not understood"),
+                         ("%%ranks -r one\npass\n", "-r takes comma-separated rank numbers"),
+                         ("%%ranks -c nothing\npass\n", "no fsdplab.Cluster named 'nothing'")):
+        _, error = cell(shell, source)
+        assert isinstance(error, UsageError) and isinstance(error, ValueError), repr(error)  # IPython: one line
+        assert says in str(error), str(error)
 
 
 def test_hangs_and_status_name_the_cell(shell, cluster, capsys):

@@ -19,7 +19,13 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from IPython.core.error import UsageError
+
 from .cluster import Cluster
+
+
+class RanksUsageError(UsageError, ValueError):
+    """A `%%ranks` line used wrongly: IPython shows it as one line, without a traceback."""
 
 
 def _parser():
@@ -46,7 +52,7 @@ def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
     try:
         args = _parser().parse_args(shlex.split(line))
     except SystemExit:
-        raise ValueError(f"%%ranks options not understood: {line!r}. "
+        raise RanksUsageError(f"%%ranks options not understood: {line!r}. "
                          "Use -t SECONDS, -r 0,1, -c NAME, --tabs or --lines.") from None
     cluster = _find_cluster(args.cluster, user_ns or {})
     ranks = None
@@ -54,7 +60,7 @@ def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
         try:
             ranks = [int(r) for r in args.ranks.split(",")]
         except ValueError:
-            raise ValueError(f"-r takes comma-separated rank numbers like 0,1; got {args.ranks!r}.") from None
+            raise RanksUsageError(f"-r takes comma-separated rank numbers like 0,1; got {args.ranks!r}.") from None
     # The ranks compile the body under this cell's own name, one line down (the %%ranks line), so
     # tracebacks and the hang explainer say `Cell In[N], line L` with the notebook's numbers.
     from .tracebacks import current_cell_filename
@@ -69,15 +75,15 @@ def _find_cluster(name, user_ns: dict) -> Cluster:
     if name is not None:
         cluster = user_ns.get(name)
         if not isinstance(cluster, Cluster):
-            raise ValueError(f"-c {name}: no fsdplab.Cluster named {name!r} in this notebook.")
+            raise RanksUsageError(f"-c {name}: no fsdplab.Cluster named {name!r} in this notebook.")
         return cluster
     running = [v for v in user_ns.values() if isinstance(v, Cluster) and v.running]
     if not running and Cluster.latest() is not None:
         running = [Cluster.latest()]
     if not running:
-        raise ValueError("%%ranks needs a running cluster: first `cluster = fsdplab.Cluster(2).start()`.")
+        raise RanksUsageError("%%ranks needs a running cluster: first `cluster = fsdplab.Cluster(2).start()`.")
     if len({id(c) for c in running}) > 1:
-        raise ValueError("several clusters are running: pick one with %%ranks -c NAME.")
+        raise RanksUsageError("several clusters are running: pick one with %%ranks -c NAME.")
     return running[0]
 
 
@@ -86,7 +92,7 @@ def status_magic(line: str, user_ns: dict | None = None):
     try:
         args = _status_parser().parse_args(shlex.split(line))
     except SystemExit:
-        raise ValueError(f"%ranks_status options not understood: {line!r}. Use -c NAME.") from None
+        raise RanksUsageError(f"%ranks_status options not understood: {line!r}. Use -c NAME.") from None
     _find_cluster(args.cluster, user_ns or {}).status()
 
 

@@ -188,15 +188,28 @@ def _plumbing_frame(tb) -> bool:
     return bool(tb.tb_frame.f_locals.get("__tracebackhide__")) or bool(_PLUMBING.search(tb.tb_frame.f_code.co_filename))
 
 
+# The line IPython runs for a `%%ranks` / `%ranks_status` cell: the whole cell as one string, not the learner's.
+_MAGIC_CALL = re.compile(r"get_ipython\(\)\.run_(cell|line)_magic\('ranks(_status)?'")
+
+
+def _magic_call_frame(tb) -> bool:
+    """True for a cell's frame whose line is IPython's call of the lab's magic (the rank's error says the rest)."""
+    code = tb.tb_frame.f_code
+    return bool(_MAGIC_CALL.search(linecache.getline(code.co_filename, tb.tb_lineno)))
+
+
 def _without_hidden(tb):
     """Traceback chain `tb` cut after its last frame that is the user's, not plumbing (a frame marked
     `__tracebackhide__`, IPython's own `run_cell_magic`): IPython hides marked frames before that one itself, but
-    always shows the last frame, here the lab's own that raised."""
+    always shows the last frame, here the lab's own that raised. None when the only frame left is IPython's
+    call of `%%ranks`."""
     entries = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
     shown = [i for i, entry in enumerate(entries) if not _plumbing_frame(entry)]
+    if shown and all(_magic_call_frame(entries[i]) for i in shown):
+        return None
     if not shown:
         return entries[0] if entries else None
     chain = None
