@@ -103,15 +103,25 @@ class LabPage:
         self.wait_until_done(timeout_s)
 
     def prompts(self) -> list:
-        return self.page.evaluate("""() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+        """The prompts of the code cells whose input shows; a collapsed cell (a lesson's hidden checks cell)
+        has an empty placeholder prompt whatever its state, so it is left out here and waited for through
+        the kernel's status."""
+        return self.page.evaluate("""() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea .jp-InputPrompt')]
                                       .map(e => e.textContent.trim())""")
+
+    def kernel_idle(self) -> bool:
+        return self.page.evaluate(
+            "() => /\\| Idle/.test(document.querySelector('.jp-StatusBar-Widget')?.innerText ?? '')")
 
     def wait_until_done(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         time.sleep(1)
+        idle_polls = 0
         while time.monotonic() < deadline:
             prompts = self.prompts()
-            if prompts and all(p and "*" not in p and p != "[ ]:" for p in prompts):
+            # the kernel idle on two polls a second apart: no hidden cell is still queued or running
+            idle_polls = idle_polls + 1 if self.kernel_idle() else 0
+            if prompts and all(p and "*" not in p and p != "[ ]:" for p in prompts) and idle_polls >= 2:
                 return prompts
             if prompts and not any("*" in p for p in prompts) and self.errors():
                 raise AssertionError(f"run stopped at an error: {self.errors()[0]}")

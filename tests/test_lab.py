@@ -171,10 +171,16 @@ def test_a_stop_signal_stops_jupyterlab_and_its_kernels(tmp_path, signum):
     reader.start()
     started = []
     try:
-        deadline = time.monotonic() + 120
-        while not any(f"127.0.0.1:{port}" in line for line in lines) and time.monotonic() < deadline:
+        # JupyterLab is up when its port answers (its printed address can come before it listens)
+        deadline = time.monotonic() + 180
+        while True:
             assert lab_process.poll() is None, "".join(lines)
-            time.sleep(0.2)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"JupyterLab did not listen on {port} in 180 s: {lines}"
+                time.sleep(0.5)
         request = urllib.request.Request(f"http://127.0.0.1:{port}/api/kernels", data=b"{}", method="POST",
                                          headers={"Authorization": "token test-token"})
         kernel_id = json.loads(urllib.request.urlopen(request, timeout=120).read())["id"]
