@@ -1,8 +1,11 @@
 """Who am I, on which device, in which mesh: what lesson code calls on a rank.
 
 Use these inside `cluster.run(fn)` or a `%%ranks` cell (where `rank`, `world_size`, `device`, `mesh`, `print0`,
-`local_rank`, `node_rank` and `node_mesh` are already imported). The group itself is joined by
-fsdplab.runtime.on_rank, whose `STATE` these read; in the notebook kernel they say where to call them.
+`local_rank`, `node_rank` and `node_mesh` are already imported), or in a script started by torchrun (or any
+launcher) after `dist.init_process_group(...)`: a lesson's rank code then runs as written. In the notebook the
+group is joined by fsdplab.runtime.on_rank, whose `STATE` these read; in a script they read the default process
+group and the launcher's environment (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK). In the notebook kernel itself
+they say where to call them.
 """
 
 from __future__ import annotations
@@ -12,13 +15,50 @@ import builtins
 from .runtime.on_rank import STATE
 
 
+_SCRIPT: dict = {}   # the state a script's default group gives, built once per group
+
+
+def _script_state() -> dict:
+    """The same keys as on_rank's STATE, read from the default process group a script started (torchrun:
+    `dist.init_process_group`) and the launcher's environment; {} without a group. Built once per group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _SCRIPT.clear()
+        return _SCRIPT
+    group = dist.group.WORLD
+    if _SCRIPT.get("group") is not group:
+        import os
+
+        import torch
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if backend == "nccl" and torch.cuda.is_available():
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        _SCRIPT.clear()
+        _SCRIPT.update(group=group, rank=rank, world_size=world, backend=backend, device=str(device), mesh=None,
+                       local_rank=local_rank, local_world_size=local_world,
+                       node_rank=int(os.environ.get("GROUP_RANK", rank // max(local_world, 1))),
+                       nodes=max(world // max(local_world, 1), 1), node_mesh=None)
+    return _SCRIPT
+
+
 def _require_rank(what: str):
-    if not STATE:
+    if STATE:
+        return STATE
+    state = _script_state()
+    if not state:
         raise RuntimeError(
             f"fsdplab.{what}() only works on a rank: call it inside cluster.run(fn) or a %%ranks cell, "
-            "after fsdplab.Cluster(...).start()."
+            "after fsdplab.Cluster(...).start(), or in a script after dist.init_process_group(...) (torchrun)."
         )
-    return STATE
+    return state
 
 
 def rank() -> int:
@@ -40,8 +80,14 @@ def device():
 
 
 def mesh():
-    """The 1-D `DeviceMesh` over all ranks, built when the group started."""
-    return _require_rank("mesh")["mesh"]
+    """The 1-D `DeviceMesh` over all ranks, built when the group started (in a script: at the first call, which
+    every rank makes)."""
+    state = _require_rank("mesh")
+    if state.get("mesh") is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        state["mesh"] = init_device_mesh(device().type, (state["world_size"],))
+    return state["mesh"]
 
 
 def backend() -> str:
@@ -86,7 +132,7 @@ def first_ranks(size: int | None = None):
     if not 1 <= size <= world:
         raise ValueError(f"group_size must be between 1 and the {world} ranks, got {size}.")
     if size == world:
-        return dist.group.WORLD, state["mesh"], True
+        return dist.group.WORLD, mesh(), True
     groups = state.setdefault("groups", {})
     if size not in groups:
         groups[size] = dist.new_group(list(range(size)))
