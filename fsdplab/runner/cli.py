@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from . import lab as lab_module
+from .export import export_script
 from .run import (INTERRUPTED, declared_parameters, figures_folder, output_lock, print_table,  # noqa: F401
                      run_lessons, stop_signals)
 from ..settings import LORA_TARGETS
@@ -358,6 +359,22 @@ def _one_line_error(parser):
     return error
 
 
+def export_command(args) -> int:
+    """`fsdplab export LESSON`: write the lesson as one torchrun script; refuse to overwrite without --force."""
+    [path] = lesson_paths([args.lesson])
+    params = parse_parameters([path], args.parameter)
+    text = export_script(path, params)
+    out = Path(args.out) if args.out else Path(f"{path.stem}.py")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; name the script's file, e.g. --out {out / (path.stem + '.py')}")
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} exists; choose another --out, or --force to replace it.")
+    out.write_text(text)
+    ranks = params.get("world_size") or pm_defaults(path).get("world_size") or 2
+    print(f"wrote {out}: run it with  torchrun --standalone --nproc-per-node {ranks} {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     from ..models import MODELS
     from ..settings import ATTENTIONS, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
@@ -403,6 +420,13 @@ def main(argv=None) -> int:
     cmp.add_argument("run_a", metavar="RUN_A", help="a folder `fsdplab run --out` wrote, or its records.json")
     cmp.add_argument("run_b", metavar="RUN_B", help="the run to compare with RUN_A")
     cmp.add_argument("--all", action="store_true", help="list every record, the unchanged ones too")
+
+    exp = sub.add_parser("export", help="a lesson as one torchrun script (its cells in order, every rank runs it)")
+    exp.add_argument("lesson", help="a lesson number or name (e.g. 02), or the path of a notebook you edited")
+    exp.add_argument("--out", default=None, help="the script's file (default: ./LESSON.py)")
+    exp.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
+                     help="a parameter's value in place of the lesson's default, e.g. -p steps 200")
+    exp.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)",
                          description="Exact per-GPU memory of a training setup on fake tensors (no GPU needed). "
@@ -468,6 +492,8 @@ def main(argv=None) -> int:
             from . import site
 
             return site.site_command(args)
+        if args.command == "export":
+            return export_command(args)
         if args.command == "compare":
             from .compare import compare_command
 

@@ -1,0 +1,123 @@
+"""`fsdplab export LESSON`: a lesson notebook as one torchrun script, its cells in order.
+
+Every rank runs the script from top to bottom. The kernel's cells run on every rank (rank 0 prints); a `%%ranks`
+cell's code runs inline, its output shown per rank; `fsdplab.Cluster(...)` becomes the script's own ranks
+(fsdplab.runtime.script.Cluster), so `cluster.run(fn)`, `pull` and `push` keep working. Markdown headings become
+comments, the parameters are constants (changed with -p as `fsdplab run` takes them), `!command` runs on rank 0.
+A notebook's edits travel with it: export the copy you edited (a path) to get your cells.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+import textwrap
+from pathlib import Path
+
+DROPPED_MAGICS = ("%load_ext", "%reload_ext", "%matplotlib", "%config")
+CLUSTER = re.compile(r"\bfsdplab\.Cluster\(")
+# The names a %%ranks cell has without importing them. The script has one namespace where the notebook has the
+# kernel's and the ranks': a parameter `world_size = 2` would hide the function, so a rank cell's calls are
+# written out in full (fsdplab.ranks.world_size()).
+IPYTHON_DISPLAY = re.compile(r"from IPython\.display import .*\bdisplay\b")
+RANK_NAMES = ("rank", "world_size", "device", "mesh", "print0", "local_rank", "node_rank", "node_mesh")
+RANK_CALL = re.compile(r"(?<![\w.])(?<!def )(" + "|".join(RANK_NAMES) + r")\(")
+
+
+def _ranks_option(line: str):
+    """The ranks a `%%ranks` line names (-r/--ranks 0,1), or None for all."""
+    words = shlex.split(line)[1:]
+    for i, word in enumerate(words):
+        value = None
+        if word in ("-r", "--ranks") and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith("--ranks="):
+            value = word.split("=", 1)[1]
+        if value is not None:
+            return tuple(int(r) for r in value.split(","))
+    return None
+
+
+def _code_cell(source: str, number: int) -> str:
+    """One code cell as script lines."""
+    lines = source.splitlines()
+    if lines and lines[0].startswith("%%ranks"):
+        body = RANK_CALL.sub(r"fsdplab.ranks.\1(", "\n".join(lines[1:]))
+        ranks = _ranks_option(lines[0])
+        if ranks:
+            return (f"# %%ranks (cell {number}): ranks {', '.join(map(str, ranks))} run this\n"
+                    f"if fsdplab.rank() in {ranks!r}:\n    with script.ranks_output({ranks!r}):\n"
+                    + textwrap.indent(body or "pass", "        "))
+        return (f"# %%ranks (cell {number}): every rank runs this\nwith script.ranks_output():\n"
+                + textwrap.indent(body or "pass", "    "))
+    if lines and lines[0].startswith("%%writefile"):
+        target = " ".join(shlex.split(lines[0])[1:])
+        return f"# %%writefile (cell {number}): rank 0 writes the file\nscript.write_file(f{target!r}, {chr(10).join(lines[1:]) + chr(10)!r})"
+    if lines and lines[0].startswith("%%"):
+        raise ValueError(f"cell {number} is a {lines[0].split()[0]} cell, which a script cannot run; "
+                         "rewrite it as Python to export the lesson.")
+    out = []
+    for line in lines:
+        stripped = line.lstrip()
+        indent = line[:len(line) - len(stripped)]
+        if stripped.startswith(DROPPED_MAGICS):
+            out.append(f"{indent}# {stripped}   (notebook only)")
+        elif stripped.startswith("!"):
+            out.append(f"{indent}script.shell(f{stripped[1:].strip()!r})")
+        elif stripped.startswith("%"):
+            raise ValueError(f"cell {number} uses the magic {stripped.split()[0]}, which a script cannot run; "
+                             "rewrite the line as Python to export the lesson.")
+        else:
+            out.append(CLUSTER.sub("script.Cluster(", line))
+            if IPYTHON_DISPLAY.match(stripped):
+                out.append(f"{indent}display = script.display   # (script) display() as text")
+    return "\n".join(out)
+
+
+def _headings(source: str) -> list:
+    return [f"# {line}" for line in source.splitlines() if line.startswith("#")]
+
+
+def export_script(path, parameters: dict | None = None) -> str:
+    """The script text of the notebook at `path`, with `parameters` replacing the defaults of its parameters cell."""
+    import nbformat
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    if parameters:   # as papermill injects them: a cell after the one tagged `parameters`
+        from papermill.iorw import load_notebook_node
+        from papermill.parameterize import parameterize_notebook
+
+        nb = parameterize_notebook(load_notebook_node(str(path)), parameters, kernel_name="python3", language="python")
+    head = [
+        f"# {path.stem}, exported from {path.name} by `fsdplab export`. Every rank runs this file:",
+        f"#   torchrun --standalone --nproc-per-node N {path.stem}.py",
+        "# The kernel's cells run on every rank (rank 0 prints); %%ranks cells run inline, their output per rank.",
+        "import fsdplab",
+        "from fsdplab.runtime import script",
+        "from fsdplab.runtime.script import display  # noqa: F401 - the notebook's display(), as text",
+        "",
+        "script.begin()   # torchrun's process group; figures off-screen; ranks other than 0 quiet outside rank code",
+        "import torch, torch.distributed as dist  # noqa: E401, F401 - what a %%ranks cell has",
+    ]
+    parts = ["\n".join(head)]
+    for number, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            if cell.source.strip():
+                parts.append("\n".join(_headings(cell.source)) or None)
+            continue
+        if cell.cell_type != "code" or not cell.source.strip():
+            continue
+        tags = cell.metadata.get("tags", [])
+        label = f"# --- cell {number}" + (f" ({', '.join(tags)})" if tags else "")
+        text = _code_cell(cell.source, number)
+        try:
+            ast.parse(text)
+        except SyntaxError as err:
+            raise ValueError(f"{path.name}, cell {number}: not Python once exported ({err.msg}, line {err.lineno}); "
+                             "edit the cell and export again.") from None
+        parts.append(f"{label}\n{text}")
+    parts.append("script.end()")
+    return "\n\n".join(p for p in parts if p) + "\n"
+

@@ -1,0 +1,154 @@
+"""`fsdplab export`: a lesson as one torchrun script, and the script's cluster (fsdplab.runtime.script).
+
+The exported script of lessons 02 and 09, run by torchrun on 2 gloo ranks, records what the notebook records:
+every record the notebook made, the same within its tolerance (timings listed, not compared). The notebook's
+records come from tests/test_notebooks.py's run in the same session when there was one (this file runs after it),
+else from a run here."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from fsdplab import records
+from fsdplab.runner import compare
+from fsdplab.runner.cli import lesson_paths, main, run_lessons
+from fsdplab.runner.export import export_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def _torchrun(script, ranks: int, tmp_path, timeout: int = 400):
+    jsonl = tmp_path / "records.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                          env=_env(FSDPLAB_RECORDS=str(jsonl), FSDPLAB_OUT=str(tmp_path / "out"),
+                                   FSDPLAB_FIGURES=str(tmp_path / "figures")))
+    found = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    return proc, found
+
+
+@pytest.mark.parametrize("path", lesson_paths(), ids=[p.stem for p in lesson_paths()])
+def test_every_lesson_exports_to_python(path):
+    text = export_script(path)
+    ast.parse(text)
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in code if "fsdplab.Cluster(" in line or line.lstrip().startswith(("%", "!"))]
+    assert text.rstrip().endswith("script.end()")
+
+
+def test_ranks_cells_run_inline_with_their_calls_written_out(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("world_size = 2", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_markdown_cell("## A heading\nprose that is not carried"),
+        nbformat.v4.new_code_cell("%load_ext fsdplab\ncluster = fsdplab.Cluster(world_size).start()"),
+        nbformat.v4.new_code_cell("%%ranks\nx = torch.ones(2) * rank()\nprint0(world_size())"),
+        nbformat.v4.new_code_cell("%%ranks -r 1\ny = 1"),
+        nbformat.v4.new_code_cell("!echo {world_size}"),
+    ])
+    path = tmp_path / "99_toy.ipynb"
+    nbformat.write(nb, path)
+    text = export_script(path, {"world_size": 3})
+    ast.parse(text)
+    assert "# ## A heading" in text and "prose" not in text
+    assert "world_size = 3" in text                                   # -p as papermill injects it
+    assert "# %load_ext fsdplab   (notebook only)" in text
+    assert "cluster = script.Cluster(world_size).start()" in text
+    assert "    x = torch.ones(2) * fsdplab.ranks.rank()" in text
+    assert "    fsdplab.ranks.print0(fsdplab.ranks.world_size())" in text
+    assert "if fsdplab.rank() in (1,):" in text and "        y = 1" in text
+    assert "script.shell(f'echo {world_size}')" in text
+
+
+def test_a_cell_magic_a_script_cannot_run_is_named(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("%%timeit\nx = 1")])
+    nbformat.write(nb, tmp_path / "98_toy.ipynb")
+    with pytest.raises(ValueError, match=r"cell 0 is a %%timeit cell"):
+        export_script(tmp_path / "98_toy.ipynb")
+
+
+def test_export_command_writes_and_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "02.py"
+    assert main(["export", "02", "--out", str(out), "-p", "num_layers", "3"]) == 0
+    assert "num_layers = 3" in out.read_text()
+    assert "torchrun --standalone --nproc-per-node 2" in capsys.readouterr().out
+    assert main(["export", "02", "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert main(["export", "02", "--out", str(tmp_path)]) == 2                 # a folder
+    assert main(["export", "02", "-p", "num_layers", "three", "--out", str(tmp_path / "x.py")]) == 2
+
+
+SCRIPT_CLUSTER = """
+import torch, torch.distributed as dist
+from fsdplab.runtime import script
+script.begin()
+cluster = script.Cluster(2).start()
+x = torch.ones(1) * (dist.get_rank() + 1)
+got = {"run": cluster.run(lambda: dist.get_rank() * 10), "pull": [t.item() for t in cluster.pull("x")],
+       "only_1": cluster.run(lambda: "one", ranks=[1]), "backend": cluster.backend}
+cluster.push(y=5)
+for wrong in (lambda: script.Cluster(3), cluster.restart):
+    try:
+        wrong()
+    except (ValueError, RuntimeError) as err:
+        got.setdefault("refused", []).append(str(err).split(":")[0])
+print("RESULT", __import__("json").dumps(got), flush=True)
+with script.ranks_output():
+    print("from every rank")
+cluster.stop()
+script.end()
+"""
+
+
+def test_the_script_cluster_plays_the_notebook_cluster(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT_CLUSTER)
+    proc, _ = _torchrun(script, 2, tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]   # rank 1 is quiet
+    got = json.loads(line.split(" ", 1)[1])
+    assert got["run"] == [0, 10] and got["pull"] == [1.0, 2.0] and got["only_1"] == ["one"]
+    assert got["backend"] == "gloo"
+    assert got["refused"] == ["this part of the lesson starts 3 ranks, and the script runs on 2",
+                              "a script cannot restart its ranks"]
+    assert "[rank 0] from every rank" in proc.stdout and "[rank 1] from every rank" in proc.stdout
+
+
+def _notebook_records(stem, executed_lessons, tmp_path):
+    executed = executed_lessons / f"{stem}.ipynb"
+    if not executed.exists():
+        [(lesson, status, _, detail)] = run_lessons(lesson_paths([stem]), out_dir=tmp_path / "nb", progress=False)
+        assert status == "ok", f"{lesson} failed at {detail}"
+        executed = tmp_path / "nb" / f"{stem}.ipynb"
+    return records.read(executed)
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("stem", ["02_prefetch", "09_training_loop"])
+def test_the_exported_lesson_records_what_the_notebook_records(stem, tmp_path, executed_lessons, monkeypatch,
+                                                               estimate_cache):
+    monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(estimate_cache))
+    script = tmp_path / f"{stem}.py"
+    script.write_text(export_script(lesson_paths([stem])[0]))
+    proc, from_script = _torchrun(script, 2, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from_notebook = {r["name"]: r for r in _notebook_records(stem, executed_lessons, tmp_path)}
+    from_script = {r["name"]: r for r in from_script}
+    assert from_notebook, f"{stem}'s notebook recorded nothing"
+    differ = {name: (rec.get("value", rec.get("ok")), (from_script.get(name) or {}).get("value"))
+              for name, rec in from_notebook.items()
+              if compare.status(rec, from_script.get(name)) not in (compare.SAME, compare.TIMING)}
+    assert not differ, f"the script of {stem} records otherwise than its notebook: {differ}"
