@@ -58,6 +58,7 @@ def test_ranks_cells_run_inline_with_their_calls_written_out(tmp_path):
         nbformat.v4.new_code_cell("%%ranks\nx = torch.ones(2) * rank()\nprint0(world_size())"),
         nbformat.v4.new_code_cell("%%ranks -r 1\ny = 1"),
         nbformat.v4.new_code_cell("!echo {world_size}"),
+        nbformat.v4.new_code_cell("open('f', 'w').write('x')", metadata={"tags": ["writes-files"]}),
     ])
     path = tmp_path / "99_toy.ipynb"
     nbformat.write(nb, path)
@@ -71,6 +72,7 @@ def test_ranks_cells_run_inline_with_their_calls_written_out(tmp_path):
     assert "    fsdplab.ranks.print0(fsdplab.ranks.world_size())" in text
     assert "if fsdplab.rank() in (1,):" in text and "        y = 1" in text
     assert "script.shell(f'echo {world_size}')" in text
+    assert "for _turn in script.one_rank_at_a_time():\n    open('f', 'w').write('x')" in text
 
 
 def test_a_cell_magic_a_script_cannot_run_is_named(tmp_path):

@@ -3,7 +3,7 @@
 Every rank runs the script from top to bottom. The kernel's cells run on every rank (rank 0 prints); a `%%ranks`
 cell's code runs inline, its output shown per rank; `fsdplab.Cluster(...)` becomes the script's own ranks
 (fsdplab.runtime.script.Cluster), so `cluster.run(fn)`, `pull` and `push` keep working. Markdown headings become
-comments, the parameters are constants (changed with -p as `fsdplab run` takes them), `!command` runs on rank 0.
+comments, a cell tagged `writes-files` runs on one rank at a time, the parameters are constants (changed with -p as `fsdplab run` takes them), `!command` runs on rank 0.
 A notebook's edits travel with it: export the copy you edited (a path) to get your cells.
 """
 
@@ -112,6 +112,9 @@ def export_script(path, parameters: dict | None = None) -> str:
         tags = cell.metadata.get("tags", [])
         label = f"# --- cell {number}" + (f" ({', '.join(tags)})" if tags else "")
         text = _code_cell(cell.source, number)
+        if "writes-files" in tags:
+            text = ("# writes files: the ranks run this cell one at a time, rank 0 first\n"
+                    "for _turn in script.one_rank_at_a_time():\n" + textwrap.indent(text, "    "))
         try:
             ast.parse(text)
         except SyntaxError as err:

@@ -231,6 +231,17 @@ def display(*objects, **kwargs) -> None:
             print(obj)
 
 
+def one_rank_at_a_time():
+    """For a kernel cell that writes files (tagged `writes-files`): each rank runs it in turn, rank 0 first, the
+    others waiting, so no rank reads or rewrites a file while another writes it; all end with the cell's values."""
+    import torch.distributed as dist
+
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            yield turn
+        dist.barrier()
+
+
 def write_file(path: str, text: str) -> None:
     """A notebook's %%writefile cell: rank 0 writes the file, the others wait for it."""
     import torch.distributed as dist
