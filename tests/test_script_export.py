@@ -68,11 +68,12 @@ def test_ranks_cells_run_inline_with_their_calls_written_out(tmp_path):
     assert "world_size = 3" in text                                   # -p as papermill injects it
     assert "# %load_ext fsdplab   (notebook only)" in text
     assert "cluster = script.Cluster(world_size).start()" in text
-    assert "    x = torch.ones(2) * fsdplab.ranks.rank()" in text
-    assert "    fsdplab.ranks.print0(fsdplab.ranks.world_size())" in text
-    assert "if fsdplab.rank() in (1,):" in text and "        y = 1" in text
+    assert 'if __name__ == "__main__":\n' in text                      # a worker process runs none of it
+    assert "        x = torch.ones(2) * fsdplab.ranks.rank()" in text
+    assert "        fsdplab.ranks.print0(fsdplab.ranks.world_size())" in text
+    assert "if fsdplab.rank() in (1,):" in text and "            y = 1" in text
     assert "script.shell(f'echo {world_size}')" in text
-    assert "for _turn in script.one_rank_at_a_time():\n    open('f', 'w').write('x')" in text
+    assert "for _turn in script.one_rank_at_a_time():\n        open('f', 'w').write('x')" in text
 
 
 def test_a_cell_magic_a_script_cannot_run_is_named(tmp_path):
@@ -94,6 +95,7 @@ def test_export_command_writes_and_refuses_to_overwrite(tmp_path, capsys):
 
 
 SCRIPT_CLUSTER = """
+import json, sys
 import torch, torch.distributed as dist
 from fsdplab.runtime import script
 script.begin()
@@ -107,7 +109,7 @@ for wrong in (lambda: script.Cluster(3), cluster.restart):
         wrong()
     except (ValueError, RuntimeError) as err:
         got.setdefault("refused", []).append(str(err).split(":")[0])
-print("RESULT", __import__("json").dumps(got), flush=True)
+sys.stdout.write("RESULT " + json.dumps(got) + "\\n")
 with script.ranks_output():
     print("from every rank")
 cluster.stop()

@@ -15,14 +15,11 @@ import shlex
 import textwrap
 from pathlib import Path
 
+from ..runtime.script import rank_code
+
 DROPPED_MAGICS = ("%load_ext", "%reload_ext", "%matplotlib", "%config")
 CLUSTER = re.compile(r"\bfsdplab\.Cluster\(")
-# The names a %%ranks cell has without importing them. The script has one namespace where the notebook has the
-# kernel's and the ranks': a parameter `world_size = 2` would hide the function, so a rank cell's calls are
-# written out in full (fsdplab.ranks.world_size()).
 IPYTHON_DISPLAY = re.compile(r"from IPython\.display import .*\bdisplay\b")
-RANK_NAMES = ("rank", "world_size", "device", "mesh", "print0", "local_rank", "node_rank", "node_mesh")
-RANK_CALL = re.compile(r"(?<![\w.])(?<!def )(" + "|".join(RANK_NAMES) + r")\(")
 
 
 def _ranks_option(line: str):
@@ -43,7 +40,7 @@ def _code_cell(source: str, number: int) -> str:
     """One code cell as script lines."""
     lines = source.splitlines()
     if lines and lines[0].startswith("%%ranks"):
-        body = RANK_CALL.sub(r"fsdplab.ranks.\1(", "\n".join(lines[1:]))
+        body = rank_code("\n".join(lines[1:]))
         ranks = _ranks_option(lines[0])
         if ranks:
             return (f"# %%ranks (cell {number}): ranks {', '.join(map(str, ranks))} run this\n"
@@ -102,10 +99,11 @@ def export_script(path, parameters: dict | None = None) -> str:
         "import torch, torch.distributed as dist  # noqa: E401, F401 - what a %%ranks cell has",
     ]
     parts = ["\n".join(head)]
+    body = []
     for number, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             if cell.source.strip():
-                parts.append("\n".join(_headings(cell.source)) or None)
+                body.append("\n".join(_headings(cell.source)) or None)
             continue
         if cell.cell_type != "code" or not cell.source.strip():
             continue
@@ -120,7 +118,10 @@ def export_script(path, parameters: dict | None = None) -> str:
         except SyntaxError as err:
             raise ValueError(f"{path.name}, cell {number}: not Python once exported ({err.msg}, line {err.lineno}); "
                              "edit the cell and export again.") from None
-        parts.append(f"{label}\n{text}")
-    parts.append("script.end()")
+        body.append(f"{label}\n{text}")
+    body.append("script.end()")
+    # The lesson runs only in the process torchrun started: a worker it starts with multiprocessing (the
+    # estimator's) imports this file as __mp_main__ and must not run the lesson again.
+    parts.append('if __name__ == "__main__":\n' + textwrap.indent("\n\n".join(b for b in body if b), "    "))
     return "\n\n".join(p for p in parts if p) + "\n"
 

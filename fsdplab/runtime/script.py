@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 import tempfile
+import textwrap
 import warnings
 from pathlib import Path
 
 BACKEND_ENV = "FSDPLAB_BACKEND"   # the same switch as the notebook's: gloo keeps a GPU machine's ranks on CPU
+# The names a %%ranks cell has without importing them. The script has one namespace where the notebook has the
+# kernel's and the ranks': a parameter `world_size = 2` would hide the function, so rank code's calls are
+# written out in full (fsdplab.ranks.world_size()).
+RANK_NAMES = ("rank", "world_size", "device", "mesh", "print0", "local_rank", "node_rank", "node_mesh")
+RANK_CALL = re.compile(r"(?<![\w.])(?<!def )(" + "|".join(RANK_NAMES) + r")\(")
+
+
+def rank_code(source: str) -> str:
+    """`source` of a %%ranks cell (or cluster.execute) with its calls of the rank names written out in full."""
+    return RANK_CALL.sub(r"fsdplab.ranks.\1(", source)
 
 
 def _namespace() -> dict:
@@ -24,20 +36,24 @@ def _namespace() -> dict:
 
 
 class _Prefixed(io.TextIOBase):
-    """Lines written to `out` with "[rank R] " in front, as the notebook shows a rank's output."""
+    """Lines written to `out` with "[rank R] " in front, as the notebook shows a rank's output. Each whole line
+    goes out in one write, so the ranks' lines (one pipe under torchrun) do not cut into each other."""
 
     def __init__(self, out, rank: int):
-        self.out, self.prefix, self.at_start = out, f"[rank {rank}] ", True
+        self.out, self.prefix, self.pending = out, f"[rank {rank}] ", ""
 
     def write(self, text: str) -> int:
-        for piece in text.splitlines(keepends=True):
-            if self.at_start:
-                self.out.write(self.prefix)
-            self.out.write(piece)
-            self.at_start = piece.endswith("\n")
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        if lines:
+            self.out.write("".join(f"{self.prefix}{line}\n" for line in lines))
+            self.out.flush()
         return len(text)
 
     def flush(self):
+        if self.pending:
+            self.out.write(f"{self.prefix}{self.pending}\n")
+            self.pending = ""
         self.out.flush()
 
 
@@ -91,7 +107,12 @@ class ranks_output:
         self.ranks = None if ranks is None else list(ranks)
 
     def __enter__(self):
+        import torch.distributed as dist
+
         self.saved = sys.stdout
+        sys.stdout.flush()
+        if self.ranks is None:   # every rank is here: rank 0's kernel output is out before any rank's starts
+            dist.barrier()
         if self.ranks is None or self.rank in self.ranks:
             sys.stdout = _Prefixed(_REAL_STDOUT, self.rank) if self.world > 1 else _REAL_STDOUT
         return self
@@ -170,8 +191,10 @@ class Cluster:
 
         ranks = self._ranks(ranks)
         value = None
+        sys.stdout.flush()
+        dist.barrier()           # every rank calls run(): the kernel's output before the ranks'
         if ranks is None or dist.get_rank() in ranks:
-            with ranks_output(ranks) if not quiet else _silent():
+            with ranks_output(ranks or list(range(self.world_size))) if not quiet else _silent():
                 value = fn(*args, **kwargs)
         return self._gather(value, ranks)
 
@@ -180,9 +203,11 @@ class Cluster:
         import torch.distributed as dist
 
         ranks = self._ranks(ranks)
+        sys.stdout.flush()
+        dist.barrier()
         if ranks is None or dist.get_rank() in ranks:
-            with ranks_output(ranks) if not quiet else _silent():
-                exec(compile(source, filename or "<ranks>", "exec"), _namespace())
+            with ranks_output(ranks or list(range(self.world_size))) if not quiet else _silent():
+                exec(compile(rank_code(textwrap.dedent(source)), filename or "<ranks>", "exec"), _namespace())
 
     def pull(self, name: str, ranks=None, timeout=None) -> list:
         """`name`'s value on each chosen rank, in rank order (tensors on the CPU)."""
