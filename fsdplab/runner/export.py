@@ -94,12 +94,10 @@ def export_script(path, parameters: dict | None = None) -> str:
         "import fsdplab",
         "from fsdplab.runtime import script",
         "from fsdplab.runtime.script import display  # noqa: F401 - the notebook's display(), as text",
-        "",
-        "script.begin()   # torchrun's process group; figures off-screen; ranks other than 0 quiet outside rank code",
         "import torch, torch.distributed as dist  # noqa: E401, F401 - what a %%ranks cell has",
     ]
     parts = ["\n".join(head)]
-    body = []
+    body = ["script.begin()   # torchrun's process group; figures off-screen; ranks other than 0 quiet outside rank code"]
     for number, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             if cell.source.strip():
