@@ -66,8 +66,9 @@ _REAL_STDOUT = sys.stdout
 
 
 def begin() -> None:
-    """Join torchrun's group (gloo on CPU; "cpu:gloo,cuda:nccl" with a GPU per rank), draw figures off-screen,
-    and quiet every rank but 0 outside rank code (the kernel's cells run on every rank, rank 0 speaks)."""
+    """Join torchrun's group (gloo on CPU; "cpu:gloo,cuda:nccl" with a GPU per rank), write the lesson's files
+    under FSDPLAB_OUT (default ./SCRIPT-files), draw figures off-screen, and quiet every rank but 0 outside rank
+    code (the kernel's cells run on every rank, rank 0 speaks)."""
     import torch
     import torch.distributed as dist
 
@@ -79,6 +80,9 @@ def begin() -> None:
         if use_gpus:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         dist.init_process_group("cpu:gloo,cuda:nccl" if use_gpus else "gloo")
+    # One folder for the lesson's files that every rank names alike (a temporary folder would differ per rank).
+    out = os.environ.setdefault("FSDPLAB_OUT", os.path.abspath(f"{Path(sys.argv[0]).stem}-files"))
+    Path(out).mkdir(parents=True, exist_ok=True)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -258,7 +262,8 @@ def display(*objects, **kwargs) -> None:
 
 def one_rank_at_a_time():
     """For a kernel cell that writes files (tagged `writes-files`): each rank runs it in turn, rank 0 first, the
-    others waiting, so no rank reads or rewrites a file while another writes it; all end with the cell's values."""
+    others waiting, so no rank reads or rewrites a file while another writes it; all end with the cell's values
+    (and the later ranks see rank 0's files: some writers, transformers' save_pretrained, write on rank 0 only)."""
     import torch.distributed as dist
 
     for turn in range(dist.get_world_size()):
