@@ -41,8 +41,15 @@ def _torchrun(script, ranks: int, tmp_path, timeout: int = 400):
     return proc, found
 
 
+NOT_EXPORTED = {"00_start_here", "05_checkpoints", "10_debugging", "11_first_fsdp2_script"}
+
+
 @pytest.mark.parametrize("path", lesson_paths(), ids=[p.stem for p in lesson_paths()])
-def test_every_lesson_exports_to_python(path):
+def test_every_lesson_exports_to_python_or_says_why_not(path):
+    if path.stem in NOT_EXPORTED:
+        with pytest.raises(ValueError, match=rf"^{path.stem} does not export as one script: .+"):
+            export_script(path)
+        return
     text = export_script(path)
     ast.parse(text)
     code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]

@@ -82,6 +82,9 @@ def export_script(path, parameters: dict | None = None) -> str:
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
+    why = nb.metadata.get("fsdplab", {}).get("no_export")
+    if why:
+        raise ValueError(f"{path.stem} does not export as one script: {why}.")
     if parameters:   # as papermill injects them: a cell after the one tagged `parameters`
         from papermill.iorw import load_notebook_node
         from papermill.parameterize import parameterize_notebook
