@@ -163,3 +163,18 @@ def test_the_exported_lesson_records_what_the_notebook_records(stem, tmp_path, e
               for name, rec in from_notebook.items()
               if compare.status(rec, from_script.get(name)) not in (compare.SAME, compare.TIMING)}
     assert not differ, f"the script of {stem} records otherwise than its notebook: {differ}"
+
+
+def test_sbatch_runs_one_torchrun_per_node(tmp_path, capsys):
+    out = tmp_path / "lesson02.py"
+    assert main(["export", "02", "--out", str(out), "--sbatch", "2", "--ranks-per-node", "8"]) == 0
+    batch = (tmp_path / "lesson02.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in batch and "#SBATCH --gpus-per-node=8" in batch
+    assert "--nnodes 2" in batch and "--nproc-per-node 8" in batch and '--rdzv-endpoint "$head:29500"' in batch
+    assert batch.rstrip().endswith("lesson02.py")
+    assert "sbatch" in capsys.readouterr().out
+    assert subprocess.run(["bash", "-n", str(tmp_path / "lesson02.sbatch")]).returncode == 0   # valid shell
+    assert main(["export", "02", "--out", str(out), "--sbatch", "2"]) == 2                      # exists: refused
+    assert main(["export", "02", "--out", str(tmp_path / "c.py"), "--sbatch", "0"]) == 2
+    assert main(["export", "02", "--out", str(tmp_path / "d.py"), "--sbatch", "1", "--cpu"]) == 0
+    assert "gpus-per-node" not in (tmp_path / "d.sbatch").read_text()

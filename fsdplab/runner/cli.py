@@ -369,9 +369,23 @@ def export_command(args) -> int:
         raise ValueError(f"--out {out} is a folder; name the script's file, e.g. --out {out / (path.stem + '.py')}")
     if out.exists() and not args.force:
         raise ValueError(f"{out} exists; choose another --out, or --force to replace it.")
-    out.write_text(text)
     ranks = params.get("world_size") or pm_defaults(path).get("world_size") or 2
+    batch = None
+    if args.sbatch is not None:
+        from .export import sbatch_script
+
+        batch = out.with_suffix(".sbatch")
+        if batch.exists() and not args.force:
+            raise ValueError(f"{batch} exists; choose another --out, or --force to replace it.")
+        if args.sbatch < 1:
+            raise ValueError(f"--sbatch {args.sbatch}: give the number of nodes, 1 or more.")
+        per_node = args.ranks_per_node or max(1, ranks // args.sbatch)
+        batch_text = sbatch_script(out.name, args.sbatch, per_node, gpus=not args.cpu)
+    out.write_text(text)
     print(f"wrote {out}: run it with  torchrun --standalone --nproc-per-node {ranks} {out}")
+    if batch is not None:
+        batch.write_text(batch_text)
+        print(f"wrote {batch}: {args.sbatch} node(s) x {per_node} rank(s); submit it with  sbatch {batch}")
     return 0
 
 
@@ -427,6 +441,12 @@ def main(argv=None) -> int:
     exp.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
                      help="a parameter's value in place of the lesson's default, e.g. -p steps 200")
     exp.add_argument("--force", action="store_true", help="replace --out if it exists")
+    exp.add_argument("--sbatch", type=int, metavar="NODES", default=None,
+                     help="also write OUT.sbatch, a Slurm batch file running the script on NODES nodes (one "
+                          "torchrun per node, c10d rendezvous)")
+    exp.add_argument("--ranks-per-node", type=int, default=None,
+                     help="with --sbatch: ranks (GPUs) per node (default: the lesson's world_size / NODES)")
+    exp.add_argument("--cpu", action="store_true", help="with --sbatch: ask Slurm for no GPUs (CPU ranks on gloo)")
 
     est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)",
                          description="Exact per-GPU memory of a training setup on fake tensors (no GPU needed). "

@@ -126,3 +126,24 @@ def export_script(path, parameters: dict | None = None) -> str:
     parts.append('if __name__ == "__main__":\n' + textwrap.indent("\n\n".join(b for b in body if b), "    "))
     return "\n\n".join(p for p in parts if p) + "\n"
 
+
+
+def sbatch_script(script: str, nodes: int, ranks_per_node: int, gpus: bool = True) -> str:
+    """A Slurm batch file that runs `script` on `nodes` nodes, `ranks_per_node` ranks each: one torchrun per node
+    (srun), c10d rendezvous at the first node. `gpus`: ask Slurm for a GPU per rank."""
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"--sbatch needs at least 1 node and 1 rank per node, got {nodes} and {ranks_per_node}.")
+    name = Path(script).stem
+    gres = f"#SBATCH --gpus-per-node={ranks_per_node}\n" if gpus else ""
+    return f"""#!/bin/bash
+# {name} on {nodes} node(s) x {ranks_per_node} rank(s), written by `fsdplab export --sbatch`. Submit: sbatch {name}.sbatch
+#SBATCH --job-name={name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+{gres}#SBATCH --output={name}-%j.log
+set -euo pipefail
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun --nodes {nodes} --ntasks-per-node 1 python -m torch.distributed.run --nnodes {nodes} \\
+    --nproc-per-node {ranks_per_node} --rdzv-backend c10d --rdzv-endpoint "$head:29500" \\
+    --rdzv-id "$SLURM_JOB_ID" {script}
+"""
