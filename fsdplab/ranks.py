@@ -50,7 +50,7 @@ def _script_state() -> dict:
 
 
 def _require_rank(what: str):
-    if STATE:
+    if "rank" in STATE:          # joined by the notebook's cluster (STATE may hold other keys before that)
         return STATE
     state = _script_state()
     if not state:

@@ -5,6 +5,7 @@ the default process group and torchrun's environment. Run for real: torchrun, 2 
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from fsdplab import ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
-    import json
+    import json, sys
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -36,11 +37,11 @@ SCRIPT = textwrap.dedent("""
     shards = {type(p).__name__ for p in tiny.parameters()}
     t = torch.ones(1) * (rank() + 1)
     dist.all_reduce(t)
-    print("RESULT " + json.dumps({
+    sys.stdout.write("RESULT " + json.dumps({
         "rank": rank(), "world_size": world_size(), "device": str(device()), "mesh": mesh().size(),
         "local_rows": local.shape[0], "member_of_first_1": member, "small_mesh": small_mesh is not None,
         "local_rank": local_rank(), "node_rank": node_rank(), "tiny_params": sorted(shards),
-        "all_reduce": t.item()}), flush=True)
+        "all_reduce": t.item()}) + "\\n")
     dist.destroy_process_group()
 """)
 
@@ -55,8 +56,10 @@ def test_lesson_rank_code_runs_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-                      if "RESULT " in line), key=lambda r: r["rank"])
+    # each rank's result as it wrote it; two ranks' writes into torchrun's one pipe may share a line
+    decoder = json.JSONDecoder()
+    results = sorted((decoder.raw_decode(proc.stdout, m.end())[0] for m in re.finditer("RESULT ", proc.stdout)),
+                     key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1], proc.stdout
     for r in results:
         assert r["world_size"] == 2 and r["device"] == "cpu" and r["mesh"] == 2
@@ -69,6 +72,10 @@ def test_lesson_rank_code_runs_under_torchrun(tmp_path):
     assert proc.stdout.count("printed by rank 0 only") == 1
 
 
-def test_without_a_group_the_error_says_where_to_call_it():
+def test_without_a_group_the_error_says_where_to_call_it(monkeypatch):
+    from fsdplab.runtime import on_rank
+
+    # a process that ran a rank call in-process holds STATE["now"] without having joined a group
+    monkeypatch.setitem(on_rank.STATE, "now", None)
     with pytest.raises(RuntimeError, match=r"init_process_group"):
         ranks.rank()
