@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import builtins
 
-from .runtime.on_rank import STATE
+from .runtime.on_rank import STATE, rank_device
 
 
 _SCRIPT: dict = {}   # the state a script's default group gives, built once per group
@@ -30,17 +30,11 @@ def _script_state() -> dict:
     if _SCRIPT.get("group") is not group:
         import os
 
-        import torch
-
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if backend == "nccl" and torch.cuda.is_available():
-            device = torch.device("cuda", local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
+        device = rank_device(backend, local_rank)
         _SCRIPT.clear()
         _SCRIPT.update(group=group, rank=rank, world_size=world, backend=backend, device=str(device), mesh=None,
                        local_rank=local_rank, local_world_size=local_world,

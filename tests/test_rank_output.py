@@ -11,7 +11,7 @@ import pytest
 
 from fsdplab.runtime import output as rank_output
 from fsdplab.runtime.cluster import Cluster
-from fsdplab.runtime.magics import _parser, ranks_magic
+from fsdplab.runtime.magics import ranks_parser, ranks_magic
 from fsdplab.runtime.output import Echo
 
 
@@ -183,7 +183,7 @@ def test_ranks_magic_tabs_and_lines_options_apply_to_one_cell(monkeypatch):
     cluster.output = "tabs"
     ranks_magic("-c c --lines -t 5", "print(rank())", ns)
     assert seen == ["tabs", "lines", "lines"] and cluster.output == "tabs"
-    assert _parser().parse_args(["-r", "0,1", "--tabs"]).view == "tabs"
+    assert ranks_parser().parse_args(["-r", "0,1", "--tabs"]).view == "tabs"
     with pytest.raises(ValueError, match="--tabs or --lines"):
         ranks_magic("-c c --tabs --lines", "pass", ns)
 

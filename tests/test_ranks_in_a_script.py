@@ -42,6 +42,7 @@ SCRIPT = textwrap.dedent("""
         "local_rows": local.shape[0], "member_of_first_1": member, "small_mesh": small_mesh is not None,
         "local_rank": local_rank(), "node_rank": node_rank(), "tiny_params": sorted(shards),
         "all_reduce": t.item()}) + "\\n")
+    dist.barrier()             # every rank done before any leaves: gloo can abort a rank whose peer left first
     dist.destroy_process_group()
 """)
 

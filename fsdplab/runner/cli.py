@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from . import lab as lab_module
-from .export import export_script
+from . import export
 from .run import (INTERRUPTED, declared_parameters, figures_folder, output_lock, print_table,  # noqa: F401
                      run_lessons, stop_signals)
 from ..settings import LORA_TARGETS
@@ -359,36 +359,6 @@ def _one_line_error(parser):
     return error
 
 
-def export_command(args) -> int:
-    """`fsdplab export LESSON`: write the lesson as one torchrun script; refuse to overwrite without --force."""
-    [path] = lesson_paths([args.lesson])
-    params = parse_parameters([path], args.parameter)
-    text = export_script(path, params)
-    out = Path(args.out) if args.out else Path(f"{path.stem}.py")
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder; name the script's file, e.g. --out {out / (path.stem + '.py')}")
-    if out.exists() and not args.force:
-        raise ValueError(f"{out} exists; choose another --out, or --force to replace it.")
-    ranks = params.get("world_size") or pm_defaults(path).get("world_size") or 2
-    batch = None
-    if args.sbatch is not None:
-        from .export import sbatch_script
-
-        batch = out.with_suffix(".sbatch")
-        if batch.exists() and not args.force:
-            raise ValueError(f"{batch} exists; choose another --out, or --force to replace it.")
-        if args.sbatch < 1:
-            raise ValueError(f"--sbatch {args.sbatch}: give the number of nodes, 1 or more.")
-        per_node = args.ranks_per_node or max(1, ranks // args.sbatch)
-        batch_text = sbatch_script(out.name, args.sbatch, per_node, gpus=not args.cpu)
-    out.write_text(text)
-    print(f"wrote {out}: run it with  torchrun --standalone --nproc-per-node {ranks} {out}")
-    if batch is not None:
-        batch.write_text(batch_text)
-        print(f"wrote {batch}: {args.sbatch} node(s) x {per_node} rank(s); submit it with  sbatch {batch}")
-    return 0
-
-
 def main(argv=None) -> int:
     from ..models import MODELS
     from ..settings import ATTENTIONS, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
@@ -435,18 +405,7 @@ def main(argv=None) -> int:
     cmp.add_argument("run_b", metavar="RUN_B", help="the run to compare with RUN_A")
     cmp.add_argument("--all", action="store_true", help="list every record, the unchanged ones too")
 
-    exp = sub.add_parser("export", help="a lesson as one torchrun script (its cells in order, every rank runs it)")
-    exp.add_argument("lesson", help="a lesson number or name (e.g. 02), or the path of a notebook you edited")
-    exp.add_argument("--out", default=None, help="the script's file (default: ./LESSON.py)")
-    exp.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
-                     help="a parameter's value in place of the lesson's default, e.g. -p steps 200")
-    exp.add_argument("--force", action="store_true", help="replace --out if it exists")
-    exp.add_argument("--sbatch", type=int, metavar="NODES", default=None,
-                     help="also write OUT.sbatch, a Slurm batch file running the script on NODES nodes (one "
-                          "torchrun per node, c10d rendezvous)")
-    exp.add_argument("--ranks-per-node", type=int, default=None,
-                     help="with --sbatch: ranks (GPUs) per node (default: the lesson's world_size / NODES)")
-    exp.add_argument("--cpu", action="store_true", help="with --sbatch: ask Slurm for no GPUs (CPU ranks on gloo)")
+    export.add_parser(sub)
 
     est = sub.add_parser("estimate", help="per-GPU memory of a training setup, exact (fake tensors)",
                          description="Exact per-GPU memory of a training setup on fake tensors (no GPU needed). "
@@ -513,7 +472,8 @@ def main(argv=None) -> int:
 
             return site.site_command(args)
         if args.command == "export":
-            return export_command(args)
+            [path] = lesson_paths([args.lesson])
+            return export.export_command(args, path, parse_parameters([path], args.parameter), pm_defaults(path))
         if args.command == "compare":
             from .compare import compare_command
 

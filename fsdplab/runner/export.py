@@ -15,6 +15,7 @@ import shlex
 import textwrap
 from pathlib import Path
 
+from ..runtime.magics import ranks_parser
 from ..runtime.script import rank_code
 
 DROPPED_MAGICS = ("%load_ext", "%reload_ext", "%matplotlib", "%config")
@@ -23,17 +24,9 @@ IPYTHON_DISPLAY = re.compile(r"from IPython\.display import .*\bdisplay\b")
 
 
 def _ranks_option(line: str):
-    """The ranks a `%%ranks` line names (-r/--ranks 0,1), or None for all."""
-    words = shlex.split(line)[1:]
-    for i, word in enumerate(words):
-        value = None
-        if word in ("-r", "--ranks") and i + 1 < len(words):
-            value = words[i + 1]
-        elif word.startswith("--ranks="):
-            value = word.split("=", 1)[1]
-        if value is not None:
-            return tuple(int(r) for r in value.split(","))
-    return None
+    """The ranks a `%%ranks` line names (-r 0,1), read with the magic's own parser; None for all."""
+    ranks = ranks_parser().parse_args(shlex.split(line)[1:]).ranks
+    return tuple(int(r) for r in ranks.split(",")) if ranks else None
 
 
 def _code_cell(source: str, number: int) -> str:
@@ -147,3 +140,43 @@ srun --nodes {nodes} --ntasks-per-node 1 python -m torch.distributed.run --nnode
     --nproc-per-node {ranks_per_node} --rdzv-backend c10d --rdzv-endpoint "$head:29500" \\
     --rdzv-id "$SLURM_JOB_ID" {script}
 """
+
+
+def add_parser(sub) -> None:
+    """The `export` subcommand's arguments."""
+    exp = sub.add_parser("export", help="a lesson as one torchrun script (its cells in order, every rank runs it)")
+    exp.add_argument("lesson", help="a lesson number or name (e.g. 02), or the path of a notebook you edited")
+    exp.add_argument("--out", default=None, help="the script's file (default: ./LESSON.py)")
+    exp.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
+                     help="a parameter's value in place of the lesson's default, e.g. -p steps 200")
+    exp.add_argument("--force", action="store_true", help="replace --out if it exists")
+    exp.add_argument("--sbatch", type=int, metavar="NODES", default=None,
+                     help="also write OUT.sbatch, a Slurm batch file running the script on NODES nodes (one "
+                          "torchrun per node, c10d rendezvous)")
+    exp.add_argument("--ranks-per-node", type=int, default=None,
+                     help="with --sbatch: ranks (GPUs) per node (default: the lesson's world_size / NODES)")
+    exp.add_argument("--cpu", action="store_true", help="with --sbatch: ask Slurm for no GPUs (CPU ranks on gloo)")
+
+
+def export_command(args, path: Path, params: dict, defaults: dict) -> int:
+    """`fsdplab export LESSON`: write the lesson as one torchrun script; refuse to overwrite without --force."""
+    text = export_script(path, params)
+    out = Path(args.out) if args.out else Path(f"{path.stem}.py")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; name the script's file, e.g. --out {out / (path.stem + '.py')}")
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} exists; choose another --out, or --force to replace it.")
+    ranks = params.get("world_size") or defaults.get("world_size") or 2
+    batch = None
+    if args.sbatch is not None:
+        batch = out.with_suffix(".sbatch")
+        if batch.exists() and not args.force:
+            raise ValueError(f"{batch} exists; choose another --out, or --force to replace it.")
+        per_node = args.ranks_per_node or max(1, ranks // max(args.sbatch, 1))   # sbatch_script refuses < 1
+        batch_text = sbatch_script(out.name, args.sbatch, per_node, gpus=not args.cpu)
+    out.write_text(text)
+    print(f"wrote {out}: run it with  torchrun --standalone --nproc-per-node {ranks} {out}")
+    if batch is not None:
+        batch.write_text(batch_text)
+        print(f"wrote {batch}: {args.sbatch} node(s) x {per_node} rank(s); submit it with  sbatch {batch}")
+    return 0

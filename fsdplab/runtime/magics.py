@@ -28,7 +28,8 @@ class RanksUsageError(UsageError, ValueError):
     """A `%%ranks` line used wrongly: IPython shows it as one line, without a traceback."""
 
 
-def _parser():
+def ranks_parser():
+    """The options of a `%%ranks` line (also read by `fsdplab export`)."""
     parser = argparse.ArgumentParser(prog="%%ranks", add_help=False)
     parser.add_argument("-t", "--timeout", type=float, default=None, help="seconds before RankHang")
     parser.add_argument("-r", "--ranks", default=None, help="comma-separated ranks, e.g. 0,1")
@@ -50,7 +51,7 @@ def _status_parser():
 def ranks_magic(line: str, cell: str, user_ns: dict | None = None):
     __tracebackhide__ = True  # noqa: F841 - IPython shows the cell's frames, not the magic's
     try:
-        args = _parser().parse_args(shlex.split(line))
+        args = ranks_parser().parse_args(shlex.split(line))
     except SystemExit:
         raise RanksUsageError(f"%%ranks options not understood: {line!r}. "
                          "Use -t SECONDS, -r 0,1, -c NAME, --tabs or --lines.") from None

@@ -18,6 +18,9 @@ import textwrap
 import warnings
 from pathlib import Path
 
+from .host_copy import to_host
+from .on_rank import group_backend, rank_device
+
 BACKEND_ENV = "FSDPLAB_BACKEND"   # the same switch as the notebook's: gloo keeps a GPU machine's ranks on CPU
 # The names a %%ranks cell has without importing them. The script has one namespace where the notebook has the
 # kernel's and the ranks': a parameter `world_size = 2` would hide the function, so rank code's calls are
@@ -76,10 +79,9 @@ def begin() -> None:
         raise SystemExit("this script is one rank of many: start it with torchrun, e.g. "
                          f"torchrun --standalone --nproc-per-node 2 {os.path.basename(sys.argv[0])}")
     if not dist.is_initialized():
-        use_gpus = torch.cuda.is_available() and os.environ.get(BACKEND_ENV, "auto") != "gloo"
-        if use_gpus:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        dist.init_process_group("cpu:gloo,cuda:nccl" if use_gpus else "gloo")
+        backend = "nccl" if torch.cuda.is_available() and os.environ.get(BACKEND_ENV, "auto") != "gloo" else "gloo"
+        rank_device(backend, int(os.environ.get("LOCAL_RANK", 0)))          # the rank's GPU made current
+        dist.init_process_group(group_backend(backend))
     # One folder for the lesson's files that every rank names alike (a temporary folder would differ per rank).
     out = os.environ.setdefault("FSDPLAB_OUT", os.path.abspath(f"{Path(sys.argv[0]).stem}-files"))
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -127,19 +129,6 @@ class ranks_output:
         return False
 
 
-def _on_cpu(value):
-    """Tensors (also inside lists, tuples and dicts) moved to the CPU, as the notebook's pull returns them."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    return value
-
-
 class Cluster:
     """The notebook's `fsdplab.Cluster`, played by the ranks of the script itself."""
 
@@ -182,7 +171,7 @@ class Cluster:
         import torch.distributed as dist
 
         values = [None] * self.world_size
-        dist.all_gather_object(values, _on_cpu(value))
+        dist.all_gather_object(values, to_host(value))
         return values if ranks is None else [values[r] for r in ranks]
 
     @staticmethod
