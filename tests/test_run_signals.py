@@ -57,6 +57,20 @@ class Run:
         running = self.out / f".{stem}.running.ipynb"
         self.wait_for(lambda: running.exists() and text in running.read_text(errors="replace"), repr(text))
 
+    def wait_for_cell_running(self, stem: str, source: str) -> None:
+        """Until papermill has marked the cell whose source holds `source` as running: a cell's output
+        can be written before its own cell has finished, so output alone does not say which cell runs."""
+        running = self.out / f".{stem}.running.ipynb"
+
+        def started() -> bool:
+            try:
+                cells = json.loads(running.read_text())["cells"]
+            except (OSError, ValueError, KeyError):
+                return False   # not written yet, or caught mid-write
+            return any(source in "".join(c["source"]) and
+                       c["metadata"].get("papermill", {}).get("status") == "running" for c in cells)
+        self.wait_for(started, f"the cell with {source!r} running")
+
     def signal(self, signum) -> None:
         try:
             self.process.send_signal(signum)
@@ -107,7 +121,7 @@ def test_a_second_ctrl_c_still_ends_with_the_summary(tmp_path, when):
     first = tiny_notebook(tmp_path / "a.ipynb", "print('STA' + 'RTED', flush=True)",
                           "import time; time.sleep(120)", "print('never')")
     run = Run(tmp_path, first, tiny_notebook(tmp_path / "b.ipynb", "print('b')"))
-    run.wait_for_cell_output("a", "STARTED")
+    run.wait_for_cell_running("a", "time.sleep(120)")
     run.signal(signal.SIGINT)
     if when == "after_the_summary":
         run.wait_for(lambda: "interrupted; the executed" in run.output(), "summary", timeout=60)
@@ -158,7 +172,7 @@ def test_ctrl_c_while_estimates_run_in_the_background(tmp_path):
         " for s in (64, 128, 256, 512)], workers=2)\nprint('SWE' + 'EPING', flush=True)",
         "import time; time.sleep(120)", "pending.result()")
     run = Run(tmp_path, lesson, tiny_notebook(tmp_path / "b.ipynb", "print('b')"))
-    run.wait_for_cell_output("a", "SWEEPING")
+    run.wait_for_cell_running("a", "time.sleep(120)")
     run.wait_for(lambda: len(run.processes_left()) >= 4, "estimate workers")   # + kernel, its client
     run.signal(signal.SIGINT)
     output = run.finish()
