@@ -1,11 +1,14 @@
 """Lesson 01 (sharding math) only: the verdict words of the lesson's claims, each a function of what the
-notebook measured (its experiments, `fully_shard` and DDP on live ranks, are written in its cells), and the
-lesson's exercises.
+notebook measured (its experiments, `fully_shard` and DDP on live ranks, are written in its cells), the
+lesson's exercises, and the model of its wrapping exercise, which the lesson has not seen before.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
+from torch import nn
 
 from .checkers import close, exercise
 from ..settings import GIB, MIB
@@ -146,3 +149,198 @@ def _pure_bf16(answer, *, model: str = "llama2-7b"):
     return close(answer, sum(report.resident.values()) / GIB, rel=0.03, unit=" GiB",
                  hint="2 bytes per weight + 2 per gradient + 2 x 2 for Adam's moments; DDP keeps all of it on "
                       "every rank; 1 GiB is 2**30 bytes.")
+
+
+# --- the wrapping exercise: a model of a new shape, wrapped by the learner on the live ranks ----------------
+
+class MLPBlock(nn.Module):
+    """A residual MLP block: x + down(gelu(up(norm(x))))."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class MLPStack(nn.Module):
+    """The wrapping exercise's model: a token embedding `embed`, MLP blocks in `blocks`, a final `norm`, a `head`."""
+
+    def __init__(self, vocab_size: int = 96, dim: int = 32, num_blocks: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.Sequential(*(MLPBlock(dim) for _ in range(num_blocks)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.blocks(self.embed(tokens))))
+
+
+def build_mlp_stack(num_blocks: int = 3, seed: int = 0, device="cpu") -> MLPStack:
+    """The same MLPStack on every rank (same seed), on `device`."""
+    torch.manual_seed(seed)
+    return MLPStack(num_blocks=num_blocks).to(device)
+
+
+def _first_line(err: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _units(model: nn.Module) -> list:
+    """The FSDP units of `model`, by module path ("root" for the model itself), in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name or "root" for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+
+
+def _forward_backward(model: nn.Module, batch) -> tuple:
+    """One forward and backward of the lab's loss, counted: (loss, the units all-gathered in forward, in order)."""
+    from ..comms import CommCounter
+    from ..sharding import loss_of
+
+    with CommCounter() as counter:
+        loss = loss_of(model, batch)
+        loss.backward()
+    gathered = [r["unit"] for r in counter.records if r["kind"] == "all_gather" and r["phase"] == "forward"]
+    return loss.item(), gathered
+
+
+def compare_wrap(wrap_fn, num_blocks: int = 3, batch_size: int = 2, seq_len: int = 8, seed: int = 0) -> dict:
+    """On a rank: the learner's `wrap_fn(model, mesh)` on a fresh MLPStack, next to the lab's own wrap of it
+    (`sharding.apply_fsdp` on its blocks) and the unsharded model. Returns the units, the parameters left plain
+    or sharded otherwise than on dim 0 over the mesh, the units all-gathered in forward, this rank's loss and
+    each parameter's relative gradient error (the unsharded gradient over every rank's batch, as FSDP averages)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ..ranks import device, mesh, this_rank, world_size
+    from ..sharding import apply_fsdp, loss_of
+
+    n, r, dev = world_size(), this_rank(), device()
+    plain = build_mlp_stack(num_blocks, seed, dev)
+    batches = []
+    for k in range(n):              # every rank's batch, drawn on the CPU: the same numbers on any device
+        gen = torch.Generator().manual_seed(seed + 1 + k)
+        tokens = torch.randint(0, plain.embed.num_embeddings, (batch_size, seq_len + 1), generator=gen)
+        batches.append((tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)))
+    with torch.no_grad():
+        plain_loss = loss_of(plain, batches[r]).item()
+    loss_of(plain, tuple(torch.cat(parts) for parts in zip(*batches))).backward()
+    lab = build_mlp_stack(num_blocks, seed, dev)
+    apply_fsdp(lab, mesh(), blocks=list(lab.blocks))
+    out = {"rank": r, "world_size": n, "blocks": [f"blocks.{i}" for i in range(num_blocks)],
+           "lab_units": _units(lab), "lab_gathered": _forward_backward(lab, batches[r])[1]}
+    model = build_mlp_stack(num_blocks, seed, dev)
+    try:
+        returned = wrap_fn(model, mesh())
+    except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
+        out["error"], returned = _first_line(err), model
+    out["units"] = _units(model)
+    out["returned"] = "model" if returned is model else "None" if returned is None else type(returned).__name__
+    params = dict(model.named_parameters())
+    out["plain"] = [name for name, p in params.items() if not isinstance(p, DTensor)]
+    out["misplaced"] = [(name, str(tuple(p.placements)), p.device_mesh.mesh.tolist()) for name, p in params.items()
+                        if isinstance(p, DTensor) and (tuple(p.placements) != (Shard(0),)
+                                                       or p.device_mesh.mesh.tolist() != mesh().mesh.tolist())]
+    if "error" in out:
+        return out
+    try:
+        out["loss"], out["gathered"] = _forward_backward(model, batches[r])
+    except Exception as err:  # noqa: BLE001 - the learner's model is the answer to show
+        out["run_error"] = _first_line(err)
+        return out
+    out["plain_loss"], out["grad_errors"] = plain_loss, {}
+    for name, p in params.items():
+        expected = plain.get_parameter(name).grad
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        out["grad_errors"][name] = (float((grad - expected).norm() / expected.norm()) if grad is not None
+                                    else float("inf"))
+    return out
+
+
+def _listed(names: list) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""
+
+
+def _units_text(out: dict) -> str:
+    """What the learner's wrap made of the model, next to the lab's wrap: the units forward all-gathered where
+    the ranks gather (2 or more), else the units themselves."""
+    gathered, lab_gathered = out.get("gathered"), out["lab_gathered"]
+    if out["world_size"] > 1 and gathered is not None:
+        if gathered == ["root"]:
+            return "forward all-gathered once, the whole model as one unit"
+        return (f"forward all-gathered {len(gathered)} unit(s) ({', '.join(gathered) or 'none'}) where the lab's "
+                f"wrap gathers {len(lab_gathered)} ({', '.join(lab_gathered)})")
+    if out["units"] == ["root"]:
+        return "the root is the only unit, the whole model in one"
+    return f"the units are {', '.join(out['units'])} where the lab's wrap makes {', '.join(out['lab_units'])}"
+
+
+@exercise("01-wrap")
+def _wrap(answer, *, cluster, rel: float = 1e-4):
+    """The learner's `wrap(model, mesh)` on the exercise's MLPStack, run on every rank: units, placements and
+    forward all-gathers against the lab's own wrap, loss and gradients against the unsharded model."""
+    if not callable(answer):
+        return False, f"expected a function wrap(model, mesh) that returns the model, got {answer!r}."
+    if not cluster.running:
+        return False, "the ranks are stopped (the lesson stops them after section 3): run cluster.start(), then this cell."
+    if cluster.broken:
+        return False, f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
+    try:
+        results = cluster.run(compare_wrap, answer)
+    except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
+        return False, f"your wrap raised on the ranks: {str(err).strip().splitlines()[0]}"
+    out = next((x for x in results if "error" in x or "run_error" in x), results[0])
+    blocks, units, n = out["blocks"], out["units"], out["world_size"]
+    missing = [b for b in blocks if b not in units]
+    if "error" in out:
+        if "root" in units and missing:
+            return False, ("the root was wrapped before the blocks: its unit already held the blocks' parameters, "
+                           f"and your wrap then raised {out['error']}")
+        return False, f"your wrap raised on the ranks: {out['error']}"
+    if not units:
+        return False, "nothing was sharded: every parameter is still a plain tensor, whole on every rank."
+    if "root" not in units:
+        owners = list(dict.fromkeys(name.rpartition(".")[0] for name in out["plain"]))
+        if owners:
+            return False, (f"the root was not wrapped: the parameters of {_listed(owners)} are plain tensors, "
+                           "whole on every rank.")
+        return False, f"the root was not wrapped: only its parts ({', '.join(units)}) are FSDP units."
+    if missing:
+        what = (f"none of the {len(blocks)} blocks is an FSDP unit" if len(missing) == len(blocks) else
+                f"{len(missing)} of {len(blocks)} blocks ({', '.join(missing)}) are not FSDP units")
+        return False, f"{what}: {_units_text(out)}."
+    if out["plain"]:
+        return False, f"{_listed(out['plain'])} stayed plain tensors, whole on every rank."
+    if out["misplaced"]:
+        name, placements, ranks = out["misplaced"][0]
+        return False, f"{name} is a DTensor {placements} over ranks {ranks}, not Shard(dim=0) over the mesh given."
+    if "run_error" in out:
+        return False, f"the wrapped model raised in forward or backward: {out['run_error']}"
+    for block in blocks:
+        count, lab_count = out["gathered"].count(block), out["lab_gathered"].count(block)
+        if count != lab_count:
+            return False, (f"{block} was all-gathered {count} time(s) in forward, {lab_count} under the lab's wrap: "
+                           f"{_units_text(out)}.")
+    if out["returned"] != "model":
+        return False, (f"your wrap shards the model but returns {out['returned']}: return the model it was given, "
+                       "which the training code goes on to use.")
+    worst_loss = max(results, key=lambda x: abs(x["loss"] - x["plain_loss"]))
+    if abs(worst_loss["loss"] - worst_loss["plain_loss"]) > rel * max(1.0, abs(worst_loss["plain_loss"])):
+        return False, (f"rank {worst_loss['rank']}'s loss is {worst_loss['loss']:.6f}, the unsharded model's "
+                       f"{worst_loss['plain_loss']:.6f}: the wrap must leave the model's values and precision as they are.")
+    name, error = max(out["grad_errors"].items(), key=lambda item: item[1])
+    if error > rel:
+        return False, (f"{name}'s gradient differs from the unsharded model's by {error:.1e} (relative): keep the "
+                       "parameters in fp32 and let FSDP average the gradients over the ranks.")
+    gathered = (f", and forward all-gathered each once ({', '.join(out['gathered'])})" if n > 1 else
+                " (on 1 rank forward gathers nothing)")
+    return True, (f"the {len(blocks)} blocks and the root are FSDP units{gathered}; every parameter is sharded "
+                  f"on dim 0 over {n} rank(s); loss and gradients match the unsharded model's "
+                  f"(worst relative error {error:.1e}).")
