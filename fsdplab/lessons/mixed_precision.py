@@ -1,6 +1,6 @@
 """Lesson 04 (mixed precision pitfalls) only: the claims' verdicts as functions of what the lesson measured,
-the exercise checker that answers with the lab's own gradients, running a `precision.*_on_rank` function on
-a group of the lesson's one cluster, and the lesson's figures.
+the exercise checkers (one runs the learner's FSDP2 wrapping next to the lab's on the ranks), running a
+`precision.*_on_rank` function on a group of the lesson's one cluster, and the lesson's figures.
 
 Claim 9: "fp16 MixedPrecision; the optimizer keeps fp32". Claim 10: "`mixed_precision=torch.float16`; keep
 LayerNorm in fp32 via `reduce_dtype=torch.float32`".
@@ -77,6 +77,164 @@ def _reduce_bytes(answer, *, measured, params: int, dtypes):
                  hint=f"a reduce-scatter takes every unsharded gradient as input: {params:,} parameters times the "
                       f"bytes of reduce_dtype ({', '.join(dtypes)} here); param_dtype does not decide it, and neither "
                       "does the number of ranks.")
+
+
+# --- fp32 norms in a bf16 model, sharded by the learner ---------------------------------------------
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _unit_too_late(model, error: BaseException):
+    """(module, the unit around it) when `error` came from fully_shard on a module of `model` that already sat
+    inside a unit; None otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): n for n, m in model.named_modules()}
+    tb = error.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_locals.get("module") if tb.tb_frame.f_code.co_name == "fully_shard" else None
+        if id(module) in names:
+            name = names[id(module)]
+            outer = [n for n, m in model.named_modules()
+                     if isinstance(m, FSDPModule) and n != name and (n == "" or name.startswith(n + "."))]
+            return (name, max(outer, key=len) or "the root") if outer else None
+        tb = tb.tb_next
+    return None
+
+
+def compare_norm_units(shard_fn, cfg=None, seed: int = 0) -> dict:
+    """On a rank: the lab's wrapping (each norm an fp32 unit, the rest bf16, reduced in fp32) and the learner's
+    `shard_fn(model, mesh)` on the same tiny transformer, one forward and backward each. Returns the dtypes each
+    norm and matmul module saw inside forward in both, the dtypes each unit's gradients were reduce-scattered
+    in, the learner's first error and the gradients' worst distance from the reference's."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from ..comms import CommCounter
+    from ..models import TinyConfig, random_batch
+    from ..ranks import device, mesh, rank
+    from ..sharding import apply_fsdp, build_tiny, loss_of
+    from .precision import is_norm, probe_dtypes, shard_norms_fp32
+
+    cfg = cfg or TinyConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, seq_len=16)
+    batch = random_batch(cfg, 2, seed=seed + rank(), device=device())
+
+    def probed(model, rows):
+        probe_dtypes(model, rows, lambda m: is_norm(m) or isinstance(m, (nn.Linear, nn.MultiheadAttention)))
+        return {n: "norm" if is_norm(m) else type(m).__name__ for n, m in model.named_modules()}
+
+    def reduced(counter):
+        return {r["unit"]: r["dtype"] for r in counter.records if r["kind"] == "reduce_scatter"}
+
+    reference = build_tiny(cfg, seed=seed, device=device())
+    shard_norms_fp32(reference, mesh(), torch.bfloat16)
+    apply_fsdp(reference, mesh(), precision="bf16", reduce_precision="fp32")
+    out = {"rank": rank(), "reference": [], "rows": [], "error": None, "raised_in": None, "too_late": None,
+           "unsharded": [], "grad_error": 0.0, "grad_of": None}
+    out["kinds"] = probed(reference, out["reference"])
+    with CommCounter() as counter:
+        loss_of(reference, batch).backward()
+    out["reference_reduced"] = reduced(counter)
+    model = build_tiny(cfg, seed=seed, device=device())
+    try:
+        shard_fn(model, mesh())
+    except Exception as e:  # noqa: BLE001 - the learner's error is the answer to show
+        out.update(error=_first_line(e), raised_in="shard", too_late=_unit_too_late(model, e))
+        return out
+    out["unsharded"] = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if out["unsharded"]:
+        return out
+    probed(model, out["rows"])
+    try:
+        with CommCounter() as counter:
+            loss_of(model, batch).backward()
+    except Exception as e:  # noqa: BLE001
+        out.update(error=_first_line(e), raised_in="step")
+        return out
+    out["reduced"] = reduced(counter)
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        want = expected[name].grad.full_tensor()
+        got = p.grad.full_tensor().to(want.dtype) if p.grad is not None else torch.zeros_like(want)
+        err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+        if err >= out["grad_error"]:
+            out["grad_error"], out["grad_of"] = err, name
+    return out
+
+
+def _first_difference(result: dict):
+    """(module, field, learner's dtype, reference's dtype) of the first forward record that differs from the
+    reference's; None when all the learner's forward reached matches it."""
+    rows = {}
+    for row in result["rows"]:
+        rows.setdefault(row["module"], row)
+    for want in result["reference"]:
+        got = rows.get(want["module"])
+        if got is None:
+            return None
+        for field in ("weight", "input", "output"):
+            if got[field] != want[field] and got[field] != "-":
+                return want["module"], field, got[field], want[field]
+    return None
+
+
+@exercise("04-fp32-norms")
+def _fp32_norms(answer, *, cluster, cfg=None, rel=1e-2):
+    """The learner's `shard(model, mesh)` against the lab's wrapping: norms in fp32, matmuls in bf16, gradients."""
+    if not callable(answer):
+        return False, "expected a function shard(model, mesh) that calls fully_shard on the model's modules."
+    try:
+        results = cluster.run(compare_norm_units, answer, cfg)
+    except Exception as e:  # noqa: BLE001 - the learner's error is the answer to show
+        return False, f"your function raised on the ranks: {str(e).strip().splitlines()[0]}"
+    for r in results:
+        rank = r["rank"]
+        if r["too_late"]:
+            module, outer = r["too_late"]
+            return False, (f"rank {rank}'s fully_shard(`{module}`) raised ({r['error']}): it already sat inside the "
+                           f"unit `{outer}`. Hint: fully_shard builds units from the inside out.")
+        if r["raised_in"] == "shard":
+            return False, f"your function raised on rank {rank}: {r['error']}"
+        if r["unsharded"]:
+            more = f" (and {len(r['unsharded']) - 1} more)" if len(r["unsharded"]) > 1 else ""
+            return False, (f"rank {rank}'s `{r['unsharded'][0]}`{more} is not sharded after your function: every "
+                           "parameter must belong to a fully_shard unit (the root's takes what the others leave).")
+        diff = _first_difference(r)
+        if diff:
+            module, field, got, want = diff
+            what = r["kinds"][module]
+            raised = f"; the next layer raised: {r['error']}" if r["error"] else ""
+            if field == "output":
+                return False, (f"rank {rank}'s {what} `{module}` handed on a {got} output, the reference's a {want} "
+                               f"one{raised}. Hint: the layer after a norm runs in the model's compute dtype.")
+            if what != "norm":
+                return False, (f"rank {rank}'s {what} `{module}` got a {got} {field} inside forward, the "
+                               f"reference's a {want} one: only the norms keep fp32, the matmuls run in bf16.")
+            if field == "weight":
+                return False, (f"rank {rank}'s norm `{module}` ran with a {got} weight inside forward, the "
+                               f"reference's with a {want} one. Hint: param_dtype casts every parameter of its "
+                               "unit, norm weights included.")
+            return False, (f"rank {rank}'s norm `{module}` received a {got} input inside forward, the reference's "
+                           f"a {want} one: its statistics start from the input as it arrives. Hint: what does the "
+                           "norm's policy do with the inputs of its forward?")
+        if r["error"]:
+            return False, f"the forward or backward raised on rank {rank}: {r['error']}"
+        want = r["reference_reduced"]
+        unit = next((u for u, dtype in r["reduced"].items() if want.get(u, dtype) != dtype), None)
+        if unit is not None:
+            return False, (f"the dtypes inside forward match the reference, but rank {rank} reduce-scattered the "
+                           f"gradients of `{unit or 'the root'}` in {r['reduced'][unit]}, the reference in "
+                           f"{want[unit]}. Hint: a unit's reduce_dtype is the dtype its gradients are summed in.")
+    worst = max(results, key=lambda x: x["grad_error"])
+    if worst["grad_error"] > rel:          # bf16 matmuls: GPU kernels need not give the same bits twice
+        return False, (f"the dtypes match the reference, but rank {worst['rank']}'s gradient of "
+                       f"`{worst['grad_of']}` differs from the reference's by {worst['grad_error']:.1e} (relative).")
+    norm = next(row for row in results[0]["reference"] if results[0]["kinds"][row["module"]] == "norm")
+    return True, (f"on each of {len(results)} ranks every norm ran with {norm['weight']} weights and inputs and "
+                  f"handed on {norm['output']}, every matmul ran in bf16, as in the reference; gradients match it "
+                  f"(worst relative error {worst['grad_error']:.1e}).")
 
 
 # --- one cluster, groups of its ranks ---------------------------------------------------------------

@@ -174,27 +174,56 @@ def is_norm(module: nn.Module) -> bool:
         type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
-def probe_norms(model: nn.Module, records: list, print_rank: int | None = None) -> list:
-    """Forward hooks on every norm module that append (name, weight dtype, input dtype, output dtype) to
-    `records` while forward runs, so what is read is what the kernel received. print_rank: also print each
-    record on that rank (-1: every rank). Returns the hook handles."""
+def probe_dtypes(model: nn.Module, records: list, select=is_norm, print_rank: int | None = None) -> list:
+    """Hooks on every module `select(module)` accepts that append (name, weight dtype, input dtype, output dtype)
+    to `records` while forward runs, so what is read is what the kernel received: the weight (or the module's
+    first own parameter) and the input are read in a pre-hook, after an FSDP2 unit's own pre-forward gathered
+    and cast them; the output stays "-" when the module raises. print_rank: also print each record on that rank
+    (-1: every rank). Returns the hook handles."""
+    def dtype(t):
+        return str(t.dtype).replace("torch.", "") if isinstance(t, torch.Tensor) else "-"
+
     handles = []
     for name, module in model.named_modules():
-        if not is_norm(module):
+        if not select(module):
             continue
+        open_rows = []
 
-        def hook(mod, args, output, name=name):
+        def pre_hook(mod, args, name=name, open_rows=open_rows):
             weight = getattr(mod, "weight", None)
-            row = {"module": name, "weight": str(weight.dtype).replace("torch.", "") if weight is not None else "-",
-                   "input": str(args[0].dtype).replace("torch.", ""),
-                   "output": str(output.dtype).replace("torch.", "")}
+            weight = weight if weight is not None else next(mod.parameters(recurse=False), None)
+            row = {"module": name, "weight": dtype(weight), "input": dtype(args[0] if args else None), "output": "-"}
             records.append(row)
+            open_rows.append(row)
+
+        def hook(mod, args, output, name=name, open_rows=open_rows):
+            row = open_rows.pop()
+            row["output"] = dtype(output[0] if isinstance(output, tuple) else output)
             if print_rank is not None and (print_rank < 0 or this_rank() == print_rank):
                 print(f"inside forward: {name:<14} weight {row['weight']:<9} input {row['input']:<9} "
                       f"output {row['output']}", flush=True)
 
-        handles.append(module.register_forward_hook(hook))
+        handles += [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(hook)]
     return handles
+
+
+def probe_norms(model: nn.Module, records: list, print_rank: int | None = None) -> list:
+    """`probe_dtypes` on every norm module."""
+    return probe_dtypes(model, records, is_norm, print_rank)
+
+
+def shard_norms_fp32(model: nn.Module, mesh, output_dtype: torch.dtype) -> list:
+    """Make every norm of `model` its own FSDP2 unit with an fp32 policy: inputs cast up to fp32, the output
+    cast to `output_dtype`, the dtype the next matmul runs in (it refuses fp32). Call it before sharding the
+    blocks that hold the norms; returns the norms."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=output_dtype,
+                                cast_forward_inputs=True)
+    norms = [m for m in model.modules() if is_norm(m)]
+    for module in norms:
+        fully_shard(module, mesh=mesh, mp_policy=fp32)
+    return norms
 
 
 def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32", keep_norms_fp32: bool = False,
@@ -206,8 +235,6 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
     outputs back to `precision`): the way to actually run norms in fp32 under FSDP2. group_size: run on ranks
     0..group_size-1 (the others return None).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from ..ranks import device, rank
     from ..models import TinyConfig, random_batch
     from ..sharding import apply_fsdp, build_tiny
@@ -218,12 +245,7 @@ def norm_dtypes_on_rank(precision: str = "bf16", reduce_precision: str = "fp32",
     cfg = cfg or TinyConfig()
     model = build_tiny(cfg, device=device())
     if keep_norms_fp32:
-        # Inputs are cast up to fp32 on the way in; output_dtype casts the result back down, since the
-        # next Linear runs in `precision` and refuses an fp32 input.
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                    output_dtype=torch_dtype(precision), cast_forward_inputs=True)
-        for module in [m for m in model.modules() if is_norm(m)]:
-            fully_shard(module, mesh=group_mesh, mp_policy=fp32)
+        shard_norms_fp32(model, group_mesh, torch_dtype(precision))
     apply_fsdp(model, group_mesh, precision=precision, reduce_precision=reduce_precision)
     records = []
     probe_norms(model, records, print_rank=-1 if verbose else None)
