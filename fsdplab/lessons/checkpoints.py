@@ -1,13 +1,17 @@
 """Lesson 05 (checkpoints) only: where the lesson writes its files, what a rank really reads when DCP
-reshards a checkpoint, and the lesson's exercise checker.
+reshards a checkpoint, and the lesson's exercise checkers.
 
 `ReadCounter` runs on the ranks (inside `%%ranks` / `cluster.run`), passed to `checkpoint.load_sharded`.
+`run_until_save` and `resume_after_save` run the learner's save and load on the ranks for `05-save-resume`.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -70,3 +74,207 @@ def _reshard_reads(answer, *, measured, saved_ranks, loading_ranks):
                  hint=f"a rank loads, whole, every chunk saved by the {saved_ranks} saving rank(s) that its new "
                       f"rows overlap. Split one tensor's rows into {saved_ranks} saved chunks and {loading_ranks} "
                       f"new shards: which new shard overlaps the most saved rows, relative to its own size?")
+
+
+# --- the save and the resume, written by the learner ------------------------------------------------------
+
+def _local_state(model, optimizer) -> dict:
+    """This rank's part of the model's and the optimizer's state, by name ('model.<fqn>',
+    'optim.<fqn>.<exp_avg|...>'), as CPU copies."""
+    def local(value):
+        value = value.to_local() if hasattr(value, "to_local") else value
+        return torch.as_tensor(value).detach().cpu().clone()
+
+    names = {p: name for name, p in model.named_parameters()}
+    out = {f"model.{name}": local(v) for name, v in model.state_dict().items()}
+    for i, (p, per_param) in enumerate(optimizer.state.items()):
+        for key, value in per_param.items():
+            out[f"optim.{names.get(p, f'<parameter {i}>')}.{key}"] = local(value)
+    return out
+
+
+def _call_on_every_rank(fn, *args) -> dict:
+    """Call the learner's `fn(*args)`; every rank learns which ranks raised: rank -> first line of the error."""
+    import torch.distributed as dist
+
+    try:
+        fn(*args)
+        error = None
+    except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
+        lines = str(err).strip().splitlines()
+        error = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    if not (dist.is_available() and dist.is_initialized()):
+        return {0: error} if error else {}
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)    # every rank agrees: none goes on alone into a collective
+    return {r: e for r, e in enumerate(errors) if e}
+
+
+def run_until_save(save, folder: str, steps: int = 3, seed: int = 0) -> dict:
+    """On a rank: train the lesson's model `steps` steps, call the learner's `save(model, optimizer, folder)`,
+    then train `steps` more: the uninterrupted run. Returns this rank's state at the save, the files in
+    `folder` after it, the later losses, and the ranks whose save raised."""
+    from .. import checkpoint as ck
+    from ..models import TinyConfig
+    from ..ranks import this_world_size
+
+    cfg, batch = TinyConfig(), 2 * this_world_size()
+    model, opt = ck.sharded_tiny(cfg, seed=seed)
+    ck.train_steps(model, opt, cfg, steps, global_batch=batch)
+    saved = _local_state(model, opt)
+    errors = _call_on_every_rank(save, model, opt, folder)
+    if errors:
+        return {"errors": errors}
+    files = ck.checkpoint_files(folder)      # every rank has returned from its save (the call above)
+    losses = ck.train_steps(model, opt, cfg, steps, start_step=steps, global_batch=batch)
+    return {"errors": {}, "saved": saved, "files": files, "losses": losses}
+
+
+def resume_after_save(load, folder: str, steps: int = 3, seed: int = 1) -> dict:
+    """On a rank: a new model (other initial weights) and a new optimizer, the learner's
+    `load(model, optimizer, folder)`, then `steps` more steps. Returns this rank's state before and after the
+    load, the losses, and the ranks whose load raised."""
+    from .. import checkpoint as ck
+    from ..models import TinyConfig
+    from ..ranks import this_world_size
+
+    cfg, batch = TinyConfig(), 2 * this_world_size()
+    model, opt = ck.sharded_tiny(cfg, seed=seed)
+    fresh = _local_state(model, opt)
+    errors = _call_on_every_rank(load, model, opt, folder)
+    if errors:
+        return {"errors": errors}
+    loaded = _local_state(model, opt)
+    losses = ck.train_steps(model, opt, cfg, steps, start_step=steps, global_batch=batch)
+    return {"errors": {}, "fresh": fresh, "loaded": loaded, "losses": losses}
+
+
+def _ranks(ranks, world: int) -> str:
+    """'every rank', 'rank 1' or 'ranks 1, 2'."""
+    ranks = sorted(ranks)
+    if len(ranks) == world:
+        return "every rank" if world > 1 else "the one rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _its(ranks) -> str:
+    """The possessive for `_ranks(ranks, ...)`."""
+    return "its" if len(ranks) == 1 else "their"
+
+
+def _same(a, b) -> bool:
+    """Tensor `a` and `b` (None: missing) equal bit for bit, shape and dtype included."""
+    return b is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _first_gap(expected: list, got: list, first_step: int, rel: float) -> tuple:
+    """(step, difference) of the first loss in `got` off `expected` by more than `rel` (relative), else
+    (None, the largest difference)."""
+    gaps = [abs(a - b) for a, b in zip(expected, got)]
+    for i, (a, gap) in enumerate(zip(expected, gaps)):
+        if gap > rel * max(abs(a), 1.0):
+            return first_step + i, gap
+    return None, max(gaps, default=0.0)
+
+
+def resume_verdict(before: list, after: list, steps: int, rel: float = 1e-6) -> tuple:
+    """(ok, message) from the ranks' results of `run_until_save` (`before`) and `resume_after_save` (`after`):
+    the state each rank loaded against the one it saved, then the losses against the uninterrupted run's."""
+    world = len(before)
+    if not any(r["files"] for r in before):
+        return False, ("your save wrote nothing into the folder it was given: every rank must write its part "
+                       "of the model and of the optimizer there.")
+    step, gap = _first_gap(before[0]["losses"], after[0]["losses"], steps, rel)
+    losses = (f"step {step}'s loss differs by {gap:.1e} from the uninterrupted run's" if step is not None
+              else "the losses match all the same")
+    wrong_model, wrong_optim = {}, {}
+    for r, (b, a) in enumerate(zip(before, after)):
+        saved, loaded = b["saved"], a["loaded"]
+        if bad := [k for k in saved if k.startswith("model.") and not _same(saved[k], loaded.get(k))]:
+            wrong_model[r] = bad
+        if bad := [k for k in saved if k.startswith("optim.") and not _same(saved[k], loaded.get(k))]:
+            wrong_optim[r] = bad
+    if wrong_model:
+        untouched = [r for r, bad in wrong_model.items()
+                     if all(_same(after[r]["fresh"][k], after[r]["loaded"].get(k)) for k in bad)]
+        if len(untouched) == world:
+            return False, (f"nothing was loaded: the new model still holds its own initial weights on "
+                           f"{_ranks(range(world), world)}. Your load must fill the model and the optimizer "
+                           "from the folder.")
+        if untouched:
+            return False, (f"{_ranks(untouched, world)} loaded nothing: {_its(untouched)} rows of the model still "
+                           "hold the new model's initial weights. Every rank must load its own part.")
+        rank0 = before[0]["saved"]
+        copied = [r for r, bad in wrong_model.items()
+                  if r > 0 and all(_same(rank0[k], after[r]["loaded"].get(k)) for k in bad)]
+        if copied:
+            return False, (f"{_ranks(copied, world)} got rank 0's rows of the model back, not {_its(copied)} own: "
+                           "your save wrote only rank 0's shard. Every rank must write its own part.")
+        r, bad = next(iter(wrong_model.items()))
+        total = sum(k.startswith("model.") for k in before[r]["saved"])
+        return False, (f"rank {r}'s model differs from the one it saved in {len(bad)} of {total} tensors "
+                       f"({bad[0][len('model.'):]} first), and {losses}.")
+    if wrong_optim:
+        empty = [r for r in wrong_optim if not any(k.startswith("optim.") for k in after[r]["loaded"])]
+        state = ("the optimizer has no state" if len(empty) == world else
+                 f"the optimizer's state differs from the saved one on {_ranks(wrong_optim, world)}")
+        return False, (f"the model came back but the optimizer's state was not restored ({state}: AdamW starts "
+                       f"its moments over), and {losses}.")
+    if step is not None:
+        return False, (f"model and optimizer match the saved ones on every rank, yet {losses}: after your load "
+                       "the optimizer must still update the parameters the model computes with.")
+    return True, (f"resumed on {_ranks(range(world), world)}: model and optimizer bit-identical to the saved "
+                  f"ones, and the next {len(before[0]['losses'])} losses match the uninterrupted run's (largest "
+                  f"difference {gap:.1e}).")
+
+
+def _hung(what: str, err, timeout: float, world: int) -> str:
+    """One line for a RankHang in the learner's save or load: who waited inside it, who never came."""
+    inside = [r for r in err.ranks if "fn(*args)" in err.stacks.get(r, "")]   # the line of _call_on_every_rank
+    done = [r for r in err.ranks if r not in inside]
+    if inside and done:
+        where = (f"{_ranks(inside, world)} waited inside it, in a collective that {_ranks(done, world)} never "
+                 f"joined (every rank must take part in the {what})")
+    elif inside:
+        where = ("no rank returned from it" if len(inside) == world
+                 else f"{_ranks(inside, world)} never returned from it")
+    else:
+        where = f"{_ranks(err.ranks, world)} got stuck after it"
+    return (f"your {what} did not finish within {timeout:g} s: {where}. The group is stuck: run the cells from "
+            "the end of section 2 on again (they restart it).")
+
+
+@exercise("05-save-resume")
+def _save_resume(answer, *, cluster, within=None, steps: int = 3, timeout: float = 60):
+    """The learner's (save, load) pair on the live ranks: train, save, go on (the uninterrupted run); a new
+    model and optimizer, load, go on (the resumed run); states and losses compared. The files go to a new
+    folder inside `within` (a folder every rank can reach; None: the temporary folder), removed at the end."""
+    from ..runtime.errors import RankHang
+
+    if callable(answer):
+        return False, "expected your two functions as a pair, (my_save, my_load), not one function."
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 2 and all(map(callable, answer))):
+        parts = answer if isinstance(answer, (tuple, list)) else [answer]
+        got = ", ".join(type(a).__name__ for a in parts)
+        return False, (f"expected (my_save, my_load), two functions of (model, optimizer, folder), got ({got}).")
+    save, load = answer
+    world, what = cluster.world_size, "save"
+    folder = tempfile.mkdtemp(prefix="05-save-resume-", dir=within)
+    try:
+        before = cluster.run(run_until_save, save, folder, steps, timeout=timeout)
+        if before[0]["errors"]:
+            first = min(before[0]["errors"])
+            return False, f"your save raised on {_ranks(before[0]['errors'], world)}: {before[0]['errors'][first]}"
+        what = "load"
+        after = cluster.run(resume_after_save, load, folder, steps, timeout=timeout)
+        if after[0]["errors"]:
+            first = min(after[0]["errors"])
+            return False, f"your load raised on {_ranks(after[0]['errors'], world)}: {after[0]['errors'][first]}"
+    except RankHang as err:
+        return False, _hung(what, err, timeout, world)
+    except Exception as err:  # noqa: BLE001 - training after the learner's call failed: say where
+        lines = str(err).strip().splitlines()
+        return False, f"training after your {what} failed on the ranks: {lines[0] if lines else type(err).__name__}"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return resume_verdict(before, after, steps)
