@@ -9,6 +9,8 @@
 - `grad_gap`: how far this rank's gradient rows are from a single-process reference's;
 - `param_bytes`: parameter bytes of a model at its real size on the meta device (full, and one rank's shard
   with FSDP's padding): the 7B numbers of sections 1 and 3;
+- `synced_loop`, `compare_accumulation`: the lab's accumulation loop, and the learner's measured next to it
+  on a rank (section 3's code exercise);
 - the exercise checkers.
 """
 
@@ -301,3 +303,162 @@ def _no_sync_gib(answer, *, measured):
     return close(answer, measured, rel=0.05, unit=" GiB",
                  hint="between micro-batches each rank keeps every parameter's gradient UNSHARDED "
                       "(full shape, fp32) instead of its 1/N shard: full bytes minus shard bytes.")
+
+
+# --- the accumulation loop, written by the learner -----------------------------------------------------------
+
+def sharded_tiny(seed: int = 0) -> nn.Module:
+    """On a rank: the lesson's tiny twin built on the meta device, one FSDP2 unit per block and the root,
+    initialised by `init_weights`."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ..models import TinyConfig, TinyTransformer
+    from ..ranks import device, mesh
+
+    with torch.device("meta"):
+        model = TinyTransformer(TinyConfig())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh())
+    fully_shard(model, mesh=mesh())
+    model.to_empty(device=device())
+    return init_weights(model, seed=seed)
+
+
+def synced_loop(model, parts) -> None:
+    """The lab's accumulation loop: each micro-batch's loss divided by their number, the gradients synced
+    (reduce-scattered) in the last micro-batch's backward only."""
+    k = len(parts)
+    for i, (tokens, targets) in enumerate(parts):
+        model.set_requires_gradient_sync(i == k - 1)
+        (next_token_loss(model, tokens, targets) / k).backward()
+
+
+def _watched(loop, model, parts) -> dict:
+    """On a rank: run `loop(model, parts)` inside a CommCounter. At each forward and at the end it notes whether
+    the sharded gradients changed since the last note: the micro-batches whose backward synced, on any number of
+    ranks (one rank has no reduce-scatter to count)."""
+    from ..comms import CommCounter
+
+    params = list(model.parameters())       # the shards: a sync adds to their .grad, nothing else does
+
+    def grads_now():
+        return tuple(None if p.grad is None else float(p.grad.to_local().detach().double().abs().sum())
+                     for p in params)
+
+    notes = []
+    handle = model.register_forward_pre_hook(lambda *_: notes.append(grads_now()))
+    try:
+        with CommCounter(fsdp_labels=False) as counter:
+            loop(model, parts)
+    finally:
+        handle.remove()
+    notes.append(grads_now())
+    return {"forwards": len(notes) - 1, "synced_after": [i for i in range(1, len(notes)) if notes[i] != notes[i - 1]],
+            "reduce_scatters": sum(r["kind"] == "reduce_scatter" for r in counter.records),
+            "reduce_scatter_sent": counter.total("sent_bytes", kind="reduce_scatter"),
+            "sent": counter.total("sent_bytes"), "kinds": [r["kind"] for r in counter.records],
+            "grads": [None if p.grad is None else p.grad.to_local().detach().double() for p in params]}
+
+
+def compare_accumulation(loop, micro_batches: int = 4, seed: int = 0) -> dict:
+    """On a rank: the learner's `loop(model, parts)` and `synced_loop`, each on a fresh sharded tiny twin with
+    this rank's `micro_batches` micro-batches of one global batch (at least 2). Returns what each synced and
+    sent, and how far the learner's gradient shards are from the lab's: as they are, and divided by k."""
+    from ..models import TinyConfig
+    from ..ranks import device, this_rank, world_size
+
+    k = max(2, int(micro_batches))
+    n, r = world_size(), this_rank()
+    parts = split_batch(global_batch(TinyConfig(), 0, n * k, seed=seed), r, n, k, device())
+    mine = _watched(loop, sharded_tiny(seed), parts)
+    ref = _watched(synced_loop, sharded_tiny(seed), parts)
+    grads, expected_grads = mine.pop("grads"), ref.pop("grads")
+    diff = scaled = norm = mine_norm = 0.0
+    for got, expected in zip(grads, expected_grads):
+        got = torch.zeros_like(expected) if got is None else got
+        diff += float((got - expected).pow(2).sum())
+        scaled += float((got / k - expected).pow(2).sum())
+        norm += float(expected.pow(2).sum())
+        mine_norm += float(got.pow(2).sum())
+    norm = norm or 1.0
+    return {"rank": r, "world_size": n, "device": device().type, "micro_batches": k, "mine": mine, "ref": ref,
+            "params": len(grads), "missing": sum(g is None for g in grads), "gap": math.sqrt(diff / norm),
+            "scaled_gap": math.sqrt(scaled / norm), "ratio": math.sqrt(mine_norm / norm)}
+
+
+def _which(synced: list, k: int) -> str:
+    """'each of the 4 micro-batches', 'micro-batches 1, 2 and 3 of 4', 'no micro-batch of 4'."""
+    if not synced:
+        return f"no micro-batch of {k}"
+    if synced == list(range(1, k + 1)):
+        return f"each of the {k} micro-batches"
+    if len(synced) == 1:
+        return f"micro-batch {synced[0]} of {k}"
+    return f"micro-batches {', '.join(map(str, synced[:-1]))} and {synced[-1]} of {k}"
+
+
+def _sent(side: dict) -> str:
+    """'5 reduce-scatters, 469,760 B': what one loop reduce-scattered on a rank (ring model)."""
+    return f"{side['reduce_scatters']} reduce-scatters, {side['reduce_scatter_sent']:,.0f} B"
+
+
+@exercise("09-sync-once")
+def _sync_once(answer, *, cluster, micro_batches: int = 4):
+    """The learner's accumulation loop next to `synced_loop` on the live ranks: gradients, then the syncs and
+    the reduce-scatters."""
+    if not callable(answer):
+        return False, ("expected a function accumulate(model, parts) that runs forward and backward on each of "
+                       "this rank's micro-batches.")
+    try:
+        results = cluster.run(compare_accumulation, answer, micro_batches)
+    except Exception as e:  # noqa: BLE001 - the learner's error is the answer to show
+        return False, f"your loop raised on the ranks: {str(e).strip().splitlines()[0]}"
+    k, one_rank = results[0]["micro_batches"], results[0]["world_size"] == 1
+    tolerance = gap_tolerance(results[0]["device"])
+    short = next((x for x in results if x["mine"]["forwards"] != k), None)
+    if short:
+        return False, (f"your loop ran {short['mine']['forwards']} forward passes on rank {short['rank']} for its "
+                       f"{k} micro-batches: run each micro-batch through the model once, then backward.")
+    bare = next((x for x in results if x["missing"]), None)
+    if bare:
+        return False, (f"after your loop rank {bare['rank']} holds no gradient in {bare['missing']} of its "
+                       f"{bare['params']} parameter shards: {_which(bare['mine']['synced_after'], k)} synced, so "
+                       "nothing reached them. A sync happens in a backward: the last micro-batch's must sync.")
+    worst = max(results, key=lambda x: x["gap"])
+    synced = worst["mine"]["synced_after"]
+    if worst["gap"] > tolerance:
+        if worst["scaled_gap"] <= tolerance:
+            return False, (f"rank {worst['rank']}'s gradient is {worst['ratio']:.2f}x the reference loop's: the "
+                           f"accumulated gradient must be the mean over the {k} micro-batches, not their sum.")
+        if k not in synced:
+            return False, (f"rank {worst['rank']}'s gradient differs by {worst['gap']:.1e} (relative) from the "
+                           f"reference loop's: your loop synced after {_which(synced, k)}, not after the last. A "
+                           "micro-batch that does not sync keeps its gradient until one after it syncs: the last "
+                           "micro-batch must sync.")
+        return False, (f"rank {worst['rank']}'s gradient differs by {worst['gap']:.1e} (relative) from the reference "
+                       f"loop's, which divides each micro-batch's loss by {k}: compute the lesson's loss on each "
+                       "micro-batch once, and change only when the gradients sync.")
+    mine, ref = results[0]["mine"], results[0]["ref"]
+    off = next((x for x in results if x["mine"]["synced_after"] != x["ref"]["synced_after"]), None)
+    if off:
+        mine, ref = off["mine"], off["ref"]
+        if one_rank:
+            return False, (f"gradients match, but your loop synced after {_which(mine['synced_after'], k)}, the "
+                           f"reference loop once, after the last (1 rank: no reduce-scatter to count, the syncs "
+                           "were read off the gradient shards). Keep the gradients unsharded until the last "
+                           "micro-batch.")
+        return False, (f"gradients match, but rank {off['rank']} synced after {_which(mine['synced_after'], k)}: "
+                       f"{_sent(mine)}, where the reference loop synced once, after the last: {_sent(ref)}. Keep "
+                       "the gradients unsharded until the last micro-batch.")
+    extra = next((x for x in results if x["mine"]["sent"] != x["ref"]["sent"]), None)
+    if extra:
+        mine, ref = extra["mine"], extra["ref"]
+        return False, (f"gradients match and only the last micro-batch synced, but rank {extra['rank']} sent "
+                       f"{mine['sent']:,.0f} B in {len(mine['kinds'])} collectives where the reference loop sent "
+                       f"{ref['sent']:,.0f} B in {len(ref['kinds'])}: let FSDP2's sync do the reducing.")
+    if one_rank:
+        return True, (f"gradients match the reference loop's (relative gap {worst['gap']:.1e}) and your loop synced "
+                      f"once, after micro-batch {k} of {k}, as the reference loop did (1 rank: no reduce-scatter "
+                      "to count, the sync was read off the gradient shards).")
+    return True, (f"gradients match the reference loop's on every rank (worst relative gap {worst['gap']:.1e}) and "
+                  f"rank 0 synced once, after micro-batch {k} of {k}: {_sent(mine)}, as the reference loop.")
