@@ -2,7 +2,7 @@
 fsdplab.memory.published.CASES (the data, with sources and tolerances). Each case is one full-scale estimate.
 
 `--h200` instead re-estimates the rows measured on an H200 (fsdplab.memory.gpu_measured) that CI does not (the 7B ones,
-about 10 s each on 2 cores), checks each as tests/test_gpu_measured.py checks the small ones, and prints them;
+about 10 s each on 2 cores), checks each as tests/unit/test_gpu_measured.py checks the small ones, and prints them;
 `--all` takes every comparable row."""
 
 import os

@@ -431,7 +431,7 @@ def set_backward_prefetch(model, mode: str = "off") -> None:
     empty, then prefetches what the list names. So "empty list" (`set_modules_to_backward_prefetch([])`)
     restores the implicit default; "off" lists each unit itself, which disables the implicit prefetch and
     prefetches nothing, since a unit is already unsharded when its own backward starts. Lesson 02 and
-    tests/test_comms.py check both on the event log."""
+    tests/unit/test_comms.py check both on the event log."""
     from torch.distributed.fsdp import FSDPModule
 
     if mode not in BACKWARD_PREFETCH_MODES:

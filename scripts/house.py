@@ -1,4 +1,4 @@
-"""A measure of the package's house, from the architecture test's data (tests/test_architecture.py).
+"""A measure of the package's house, from the architecture test's data (tests/unit/test_architecture.py).
 
     python scripts/house.py
 

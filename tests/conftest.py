@@ -9,12 +9,17 @@ killed by a signal.
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import fsdplab
 from fsdplab.runtime.processes import BACKEND_ENV
+
+# The tests' own tools (chromium, netns, slurm_nodes), importable from every folder of tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # The suite tests the CPU lab: its clusters (backend "auto", like most Cluster(n) here) must be gloo clusters on a
 # machine with GPUs too, where "auto" would pick nccl. tests/gpu/conftest.py takes this out for the GPU checks.
@@ -103,6 +108,6 @@ def assert_killed_rank_is_died_then_restarts():
 
 @pytest.fixture(scope="session")
 def executed_lessons(tmp_path_factory):
-    """Where tests/test_notebooks.py leaves each lesson it executed (with the run's run_info.json), for the site
+    """Where tests/lessons/test_notebooks.py leaves each lesson it executed (with the run's run_info.json), for the site
     tests to build from without running anything again."""
     return tmp_path_factory.mktemp("executed-lessons")

@@ -13,7 +13,7 @@
 - Activation checkpointing uses torch's `checkpoint_wrapper` (torch.distributed.algorithms._checkpoint).
 - Lesson 05 reads FSDP1's default state-dict type from its source (`_init_utils._init_state_dict_state`).
 
-None of these are public APIs. `check_private_apis()` (tests/test_layout.py, tests/test_torch_private.py;
+None of these are public APIs. `check_private_apis()` (tests/unit/test_layout.py, tests/unit/test_torch_private.py;
 CI runs them under torch 2.13 and 2.11) fails loudly, naming what changed, when a torch upgrade moves one;
 each shim raises `PrivateAPIError` with the torch version and what to do, never silently doing less.
 Where torch 2.10, 2.11 and 2.13 differ, the shims follow each (feature detection, checked against the version).

@@ -14,7 +14,7 @@ as the tracker computes them while it traces.
 It is used only where it can be checked: the blocks are FSDP units, all alike (one layer type, every block or
 no block checkpointed), the model has at least `MIN_DEPTH` of them, and in the traced step the middle block's
 events match those of its neighbours once renumbered. Otherwise, or with FSDPLAB_TRACE_ALL_BLOCKS=1, every block
-is traced. tests/test_block_repeat.py compares the repeated step with a full trace, event by event.
+is traced. tests/unit/test_block_repeat.py compares the repeated step with a full trace, event by event.
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ def estimate_group(settings: list, progress=False) -> list:
     """`estimate` of each of `settings`, which differ in seq_len and batch_size only (a sweep's points at one
     world size): the fake model is built and sharded once for them all, and the optimizer state it keeps is
     what every point's first step would create. Each report is stored in the run's cache, as `estimate`'s are;
-    the numbers are those `estimate` gives each point alone (tests/test_estimate_options.py)."""
+    the numbers are those `estimate` gives each point alone (tests/unit/test_estimate_options.py)."""
     from ..models import config_of
 
     if not settings:

@@ -1,6 +1,6 @@
 """The analytic memory model: bytes per rank from the model's shapes and the setting, instantly, at any
 size (the dashboards draw it on every slider move). `fsdplab.memory.estimate` is the exact counterpart on
-fake tensors; the two agree byte for byte on the resident sharded states (tests/test_memory.py).
+fake tensors; the two agree byte for byte on the resident sharded states (tests/unit/test_memory.py).
 """
 
 from __future__ import annotations

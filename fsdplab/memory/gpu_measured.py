@@ -1,7 +1,7 @@
 """Peaks measured on a real GPU against the exact estimate: one NVIDIA H200, torch 2.11.0+cu130, 17 settings
 (and two under cpu_offload that are not comparable), kept as data with how each number was taken.
 
-`python benchmarks/published.py --h200` prints the table afresh; tests/test_gpu_measured.py holds the
+`python benchmarks/published.py --h200` prints the table afresh; tests/unit/test_gpu_measured.py holds the
 estimator, run on this machine's CPU, to each small row's figures, so a change that breaks the agreement with
 the GPU fails CI. The 7B rows take too long for CI: `benchmarks/published.py --h200 --all` checks them.
 """
@@ -59,7 +59,7 @@ class Row:
     outside_allocator: int        # measured bytes: device_used - memory_reserved
     estimated_active: int         # the estimate made on CPU (ESTIMATED_WITH): peak_bytes
     estimated_reserved: int       # its gpu_view["reserved"] (0: the estimate of the time had no GPU view)
-    in_ci: bool = False           # small enough for tests/test_gpu_measured.py (a few seconds on 2 cores)
+    in_ci: bool = False           # small enough for tests/unit/test_gpu_measured.py (a few seconds on 2 cores)
     not_comparable: str = ""      # why the row is no comparison, if it is not
 
     def train_setting(self) -> TrainSetting:

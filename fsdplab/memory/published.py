@@ -1,5 +1,5 @@
 """Per-GPU peaks other people measured on real GPUs, kept as data with their sources and settings, and the
-estimate of each (`python benchmarks/published.py` prints the table; tests/test_published.py holds each case to
+estimate of each (`python benchmarks/published.py` prints the table; tests/unit/test_published.py holds each case to
 its tolerance). Only cases whose program the estimator can express are kept.
 """
 

@@ -12,7 +12,7 @@ from fsdplab.memory.formula import formula
 from fsdplab.lessons import sharding_math as S
 from fsdplab.settings import GIB
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_sharding_math.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "01_sharding_math.ipynb"
 
 
 def test_shard_bytes_checker():

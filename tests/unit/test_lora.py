@@ -120,7 +120,7 @@ def test_torchrun_script_loads_trains_and_saves_a_mergeable_adapter(tmp_path):
     base_dir, out_dir = tmp_path / "base", tmp_path / "adapter"
     build_model(TrainSetting(model=config), device="cpu", seed=1).save_pretrained(base_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "fsdplab.recipes.lora", "--model-path", str(base_dir), "--lora-rank", "8", "--steps", "3",

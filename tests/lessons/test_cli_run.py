@@ -338,7 +338,7 @@ WORLD_SIZE_RUNS = [(path, n) for path in LESSONS for n in (1, 2, 4) if n != _def
 @pytest.mark.parametrize("path,world_size", WORLD_SIZE_RUNS,
                          ids=[f"{p.stem[:2]}-ws{n}" for p, n in WORLD_SIZE_RUNS])
 def test_lesson_runs_at_any_world_size(path, world_size, tmp_path, monkeypatch, estimate_cache):
-    """Each lesson runs at the world sizes its default does not cover (tests/test_notebooks.py runs that)."""
+    """Each lesson runs at the world sizes its default does not cover (tests/lessons/test_notebooks.py runs that)."""
     declared = declared_parameters(path)
     assert "world_size" in declared, f"{path.name} has no world_size parameter for --world-size to set"
     monkeypatch.setenv("FSDPLAB_FIGURES", str(tmp_path / "figures"))

@@ -21,7 +21,7 @@ from netns import NODES, two_nodes
 
 pytestmark = pytest.mark.multinode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = ["-m", "fsdplab.recipes.lora", "--lora-rank", "8", "--steps", "3", "--batch-size", "4",
           "--precision", "fp32", "--log-every", "1"]
 TIMEOUT_S = 240

@@ -141,7 +141,7 @@ def test_the_floor_in_pyproject_is_the_oldest_release_tested():
     import re
     from pathlib import Path
 
-    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     floor = re.search(r'"torch>=(\d+)\.(\d+)', pyproject)
     assert floor and (int(floor.group(1)), int(floor.group(2))) == _torch_private.OLDEST_TORCH
     assert _torch_private.TESTED_TORCH[0] == "%d.%d" % _torch_private.OLDEST_TORCH

@@ -2,7 +2,7 @@
 
 The kernel side runs inside node-a, as a notebook on a cluster's login node would: the controller must
 listen on an address both nodes reach, and the host itself is on neither node's link. So one scenario
-(this file run as a script, `python tests/test_multinode.py SCENARIO`) starts the cluster in node-a,
+(this file run as a script, `python tests/multinode/test_slurm.py SCENARIO`) starts the cluster in node-a,
 goes through start, collectives, output, a planted hang, a killed rank, restarts, stop and a pending
 job, and prints what it measured as JSON; the tests below check that record and what is left on the
 nodes afterwards. One scenario instead of one per test: each start costs a Slurm job and seconds.
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "support"))   # netns, slurm_nodes: also when run as a script
 from netns import NODES, two_nodes  # noqa: E402
 from slurm_nodes import client, queue, slurm_nodes  # noqa: E402
 
@@ -36,9 +36,9 @@ def record():
     t0 = time.monotonic()
     with two_nodes() as nodes, slurm_nodes(nodes) as conf:
         daemons_up_s = time.monotonic() - t0
-        env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONPATH": str(HERE.parent)}
+        env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONPATH": str(HERE.parents[1])}
         run = subprocess.run(nodes.cmd("node-a", [sys.executable, __file__, "scenario"]), env=env,
-                             capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S, cwd=str(HERE.parent))
+                             capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S, cwd=str(HERE.parents[1]))
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
         assert run.returncode == 0 and lines, f"scenario failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
         out = json.loads(lines[-1][len("RESULT "):])

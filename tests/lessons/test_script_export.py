@@ -2,7 +2,7 @@
 
 The exported script of lessons 02 and 09, run by torchrun on 2 gloo ranks, records what the notebook records:
 every record the notebook made, the same within its tolerance (timings listed, not compared). The notebook's
-records come from tests/test_notebooks.py's run in the same session when there was one (this file runs after it),
+records come from tests/lessons/test_notebooks.py's run in the same session when there was one (this file runs after it),
 else from a run here."""
 
 import ast
@@ -19,7 +19,7 @@ from fsdplab.runner import compare
 from fsdplab.runner.cli import lesson_paths, main, run_lessons
 from fsdplab.runner.export import export_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _env(**extra):

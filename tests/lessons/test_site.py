@@ -1,7 +1,7 @@
 """`fsdplab site`: the executed lessons as a static website.
 
 Built from a small run made here (two notebooks with printed verdicts and a figure), and, where the notebook tier
-ran in this session, from every lesson it executed (tests/test_notebooks.py leaves them in `executed_lessons`):
+ran in this session, from every lesson it executed (tests/lessons/test_notebooks.py leaves them in `executed_lessons`):
 no broken internal link or image, a badge per printed verdict linking to its cell, a search index. The browser
 test opens the home page and two lessons in headless Chromium: no console errors, figures load, badges present,
 and keeps a screenshot of the home page (in .ci/venv when CI runs it).
@@ -23,7 +23,7 @@ import pytest
 
 from fsdplab.runner import cli, site
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = os.environ.get("FSDPLAB_REQUIRE_BROWSER") == "1"
 
 
@@ -189,7 +189,7 @@ def test_every_executed_lesson_builds_into_the_site(executed_lessons, tmp_path):
     lessons = sorted(executed_lessons.glob("[0-9][0-9]_*.ipynb"))
     if len(lessons) < len(cli.lesson_paths()):
         pytest.skip(f"the notebook tier left {len(lessons)} of {len(cli.lesson_paths())} executed lessons in this "
-                    "session (run tests/test_notebooks.py in the same session)")
+                    "session (run tests/lessons/test_notebooks.py in the same session)")
     started = time.perf_counter()
     built = site.build(executed_lessons, tmp_path / "site")
     seconds = time.perf_counter() - started
@@ -200,7 +200,7 @@ def test_every_executed_lesson_builds_into_the_site(executed_lessons, tmp_path):
 
 @pytest.mark.browser
 def test_the_site_in_chromium(small_run, executed_lessons, tmp_path):
-    from browser import CHROMIUM_ARGS, chromium_path
+    from chromium import CHROMIUM_ARGS, chromium_path
 
     if chromium_path() is None:
         (pytest.fail if REQUIRED else pytest.skip)("no chromium on PATH: apt-get install chromium")

@@ -71,5 +71,5 @@ def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache, executed
         names = [r["name"] for r in found]
         assert len(names) == len(set(names)), f"{lesson} records a name twice: {names}"
         assert all(name.startswith(path.stem[:2] + "-") for name in names), f"{lesson}: {names}"
-    for name in (path.name, "run_info.json"):   # for tests/test_site.py: the site is built from these
+    for name in (path.name, "run_info.json"):   # for tests/lessons/test_site.py: the site is built from these
         shutil.copy(tmp_path / name, executed_lessons / name)

@@ -1,6 +1,6 @@
 """Drive a real JupyterLab in headless Chromium: open a notebook, run it, touch its widgets.
 
-Used by tests/test_browser.py. Needs Debian's chromium (/usr/bin/chromium) and the playwright package
+Used by tests/browser/test_browser.py. Needs Debian's chromium (/usr/bin/chromium) and the playwright package
 (its driver only: the browser is the system one, nothing is downloaded).
 """
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fsdplab"
+PACKAGE = Path(__file__).resolve().parents[2] / "fsdplab"
 
 # The wings, top floor first. A module imports its own floor and those below, never one above.
 # The estimator sits above the subject: it estimates a TrainSetting of a registered model by
@@ -212,7 +212,7 @@ def against_exceptions(found: dict, exceptions: dict) -> tuple:
 
 MODULES = package_modules()
 GRAPH = import_graph(MODULES)
-HERE = "tests/test_architecture.py"
+HERE = "tests/unit/test_architecture.py"
 
 
 def _where(module: str) -> str:

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("torch")
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU is here: tests/gpu run the real thing"),
     pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),

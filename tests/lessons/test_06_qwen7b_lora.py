@@ -16,7 +16,7 @@ from fsdplab.lessons.full_finetune import full_finetune_settings
 from fsdplab.models import PARAM_COUNTS, hf_config
 from fsdplab.settings import GIB
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "06_qwen7b_lora_8xA10.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "06_qwen7b_lora_8xA10.ipynb"
 
 
 def v1_lora_by_hand(rank):

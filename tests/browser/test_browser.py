@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from browser import CHROMIUM_ARGS, LabPage, chromium_path, jupyterlab, shutdown_kernels
+from chromium import CHROMIUM_ARGS, LabPage, chromium_path, jupyterlab, shutdown_kernels
 
 pytestmark = pytest.mark.browser
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 REQUIRED = os.environ.get("FSDPLAB_REQUIRE_BROWSER") == "1"
 
 

@@ -138,7 +138,7 @@ def two_nodes():
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-if __name__ == "__main__":  # a quick self-check: python tests/netns.py
+if __name__ == "__main__":  # a quick self-check: python tests/support/netns.py
     with two_nodes() as n:
         for node in NODES:
             out = subprocess.run(n.cmd(node, ["sh", "-c", "hostname; getent hosts node-a node-b"]),

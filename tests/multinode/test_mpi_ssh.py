@@ -1,8 +1,8 @@
 """The Cluster under mpiexec and over ssh, across two real "machines": network namespaces with sshd.
 
-Each node (tests/netns.py) runs its own sshd (a throwaway host key and client key, listening on the
-node's address only). The kernel side runs inside node-a, as in tests/test_multinode.py: one scenario
-per launcher (this file run as a script, `python tests/test_multinode_mpi_ssh.py mpi|ssh CONFIG`) starts
+Each node (tests/support/netns.py) runs its own sshd (a throwaway host key and client key, listening on the
+node's address only). The kernel side runs inside node-a, as in tests/multinode/test_slurm.py: one scenario
+per launcher (this file run as a script, `python tests/multinode/test_mpi_ssh.py mpi|ssh CONFIG`) starts
 `Cluster(2, launcher=..., hosts=["node-a", "node-b"])`, checks where the ranks are, runs an all_reduce
 across the nodes, stops, then starts a cluster from a kernel that is killed, and prints what it measured
 as JSON; the tests check that record and what is left in the nodes afterwards.
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "support"))   # netns, slurm_nodes: also when run as a script
 from netns import NODES, skip_or_fail, two_nodes  # noqa: E402
 
 SCENARIO_TIMEOUT_S = 240
@@ -102,10 +102,10 @@ def _leftovers(nodes, node) -> list:
 def _record(nodes_with_ssh, launcher: str) -> dict:
     nodes, config, sshd_up_s = nodes_with_ssh
     # Open MPI's session folders in the nodes' scratch folder (a killed mpiexec leaves its own behind).
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMPI_MCA_orte_tmpdir_base": str(nodes.scratch)}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMPI_MCA_orte_tmpdir_base": str(nodes.scratch)}
     t0 = time.monotonic()
     run = subprocess.run(nodes.cmd("node-a", [sys.executable, __file__, launcher, str(config)]), env=env,
-                         capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S, cwd=str(HERE.parent))
+                         capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S, cwd=str(HERE.parents[1]))
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert run.returncode == 0 and lines, f"scenario failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     out = json.loads(lines[-1][len("RESULT "):])

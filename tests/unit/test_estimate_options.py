@@ -1,6 +1,6 @@
 """The user's program as TrainSetting fields: attention kernel, activation checkpointing modes, chunked loss,
 embedding and head as FSDP units, the KV cache. Each is honoured by the formula, the exact estimate and the live
-measurement (tests/test_memory.py compares the last two per category), and reaches the CLI."""
+measurement (tests/unit/test_memory.py compares the last two per category), and reaches the CLI."""
 
 import json
 

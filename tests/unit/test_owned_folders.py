@@ -1,7 +1,7 @@
 """The lab writes into, empties and replaces only folders it made (fsdplab.owned_folders): a
 user's folder that holds files is refused in one line and left whole, a symlink planted in the
 temporary folder is not followed, a folder the lab marked is reused. Lesson 05's folder, the figure
-folder and lesson 10's dump folders use it; the site's replacement is tested in tests/test_site.py.
+folder and lesson 10's dump folders use it; the site's replacement is tested in tests/lessons/test_site.py.
 """
 
 import os

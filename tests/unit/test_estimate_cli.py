@@ -16,7 +16,7 @@ from fsdplab.models import resolve_model
 from fsdplab.settings import GIB, TrainSetting
 from fsdplab.memory.sweep import Sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=256, max_position_embeddings=128)
 FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {}, "gpt_neox": {}, "gemma": dict(head_dim=16)}

@@ -1,5 +1,5 @@
 """The package's one path: one settings type, one model registry, one train step, private APIs
-behind shims. The import graph's rules (no circles, no arrow up a floor): tests/test_architecture.py."""
+behind shims. The import graph's rules (no circles, no arrow up a floor): tests/unit/test_architecture.py."""
 
 import ast
 import dataclasses
@@ -15,7 +15,7 @@ from fsdplab.models import MODELS, PARAM_COUNTS, ModelEntry, causal_lm, count_pa
 from fsdplab.settings import TrainSetting, as_setting
 from fsdplab.sharding import build_tiny, loss_of, make_optimizer, train_step
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fsdplab"
+PACKAGE = Path(__file__).resolve().parents[2] / "fsdplab"
 
 
 @pytest.mark.parametrize("name", sorted(PARAM_COUNTS))

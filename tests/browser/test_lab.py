@@ -20,7 +20,7 @@ from jupyter_client import BlockingKernelClient
 
 from fsdplab.runner import cli, lab
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli_args(argv):

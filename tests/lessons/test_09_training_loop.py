@@ -1,6 +1,6 @@
 """Lesson 09's own code: the live-bytes counter, the init and its health check, the batch split, the sizes at
 full scale, and the exercise checkers tried with the wrong answers a learner would give. The lesson itself runs
-in tests/test_notebooks.py (its checks cell judges every measurement made on live ranks)."""
+in tests/lessons/test_notebooks.py (its checks cell judges every measurement made on live ranks)."""
 
 import math
 

@@ -1,7 +1,7 @@
 """Lesson 10's own code and the runtime pieces it added: flight recorder dumps from live ranks (also while they
 are stuck), the repair torch's analyzer needs on gloo dumps, DETAIL's message cut to what differs, the straggler
 numbers, `Cluster(env=...)`, and the exercise checker tried with a learner's wrong answers. The lesson itself runs
-in tests/test_notebooks.py."""
+in tests/lessons/test_notebooks.py."""
 
 import pickle
 
