@@ -48,6 +48,8 @@ from .processes import (alive, check_capacity, check_output, check_timeout, chec
 
 __all__ = ["Cluster"]
 
+CONNECT_TIMEOUT_S = 120   # the kernel's wait for the controller's first answer
+
 
 class Cluster:
     """`world_size` ranks in one process group, kept alive across notebook cells.
@@ -205,7 +207,9 @@ class Cluster:
             raise RuntimeError(message) from None
         self._jobs[:] = self.launcher.jobs(group.ipp)
         self._write_pidfile()
-        group.client = group.ipp.connect_client_sync()
+        # ipyparallel's Client waits 10 s for the controller's answer: a loaded machine (the controller still
+        # importing) has taken longer. The wait ends as soon as the answer comes.
+        group.client = group.ipp.connect_client_sync(timeout=CONNECT_TIMEOUT_S)
         group.engine_ids = self._wait_for_new_engines(set())
         self._seen_ids = set(group.engine_ids)
         self._rank_set = list(group.ipp.engines)[-1]
