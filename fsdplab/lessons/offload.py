@@ -329,7 +329,7 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
 
 def offload_attempt_on_rank(cfg=None) -> str:
     """Try FSDP2 + CPUOffloadPolicy for one forward/backward on this rank: 'ok', or the error torch raises
-    (on a CPU rank there is no accelerator to offload from)."""
+    (on a CPU rank: apply_fsdp's policy pins host memory, and pinning needs an accelerator)."""
     from ..ranks import device, mesh
     from ..models import random_batch
     from ..sharding import apply_fsdp, build_tiny, loss_of
@@ -367,7 +367,7 @@ def offload_run(cfg=None, steps: int = 5, cpu_offload: bool = True, seed: int = 
     precision "auto" is bf16 on GPUs with native bf16, else fp16 with a GradScaler (a T4's emulated bf16 would
     time the emulation, not the offload). Returns seconds per step (median after one warm-up step), peak GPU
     bytes, where the sharded parameters and the optimizer state live, and the precision. Raises ValueError on
-    a CPU rank (CPUOffloadPolicy needs an accelerator to offload from).
+    a CPU rank (no GPU memory to offload from, and no GPU step to time).
     """
     import torch
 
