@@ -385,7 +385,7 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
         "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing", style=wide),
         "lora_rank": slider([0, 8, 16, 32, 64, 128], lora_rank, "LoRA r (0: full)"),
         "seq_len": slider([64, 128, 256, 512, 1024, 2048, 4096, 8192], seq_len, "seq len"),
-        "gpu_mem_gib": slider([16, 22.49, 40, 48, 80, 141], gpu_mem_gib, "GPU GiB (A10: 22.49)"),
+        "gpu_mem_gib": slider([16, 22.49, 40, 48, 80, 141], gpu_mem_gib, "GPU GiB"),
     }
     exact: dict = {}
 
