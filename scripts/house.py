@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def architecture():
-    path = ROOT / "tests" / "test_architecture.py"
+    path = ROOT / "tests" / "unit" / "test_architecture.py"
     spec = importlib.util.spec_from_file_location("test_architecture", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
