@@ -60,11 +60,13 @@ def exercise(key: str):
 def _load_lessons(key: str | None = None) -> None:
     """Import the lesson module that registers exercise `key` ("02-bytes": lesson 02's module), or every lesson
     module when `key` is None; their @exercise decorators fill the registry."""
-    from . import MODULES
+    from . import CODE_EXERCISES, MODULES
 
     numbers = [key[:2]] if key and key[:2] in MODULES else list(MODULES)
     for number in numbers:
         importlib.import_module(f"{__package__}.{MODULES[number]}")
+        if number in CODE_EXERCISES:
+            importlib.import_module(f"{__package__}.{CODE_EXERCISES[number]}")
 
 
 def keys() -> list:
