@@ -1,5 +1,5 @@
 """Lesson 05 (checkpoints) only: where the lesson writes its files, what a rank really reads when DCP
-reshards a checkpoint, and the lesson's exercise checkers.
+reshards a checkpoint, a hung rank's stack in a few lines, and the lesson's exercise checkers.
 
 `ReadCounter` runs on the ranks (inside `%%ranks` / `cluster.run`), passed to `checkpoint.load_sharded`.
 `run_until_save` and `resume_after_save` run the learner's save and load on the ranks for `05-save-resume`.
@@ -56,6 +56,14 @@ class ReadCounter(FileSystemReader):
     def counts(self) -> dict:
         return {"kept_bytes": self.kept_bytes, "loaded_bytes": self.loaded_bytes, "chunks": self.chunks,
                 "object_bytes": self.object_bytes, "file_bytes": self.file_bytes}
+
+
+def stack_ends(stack: str, outer: int = 4, inner: int = 2) -> str:
+    """A stack's first `outer` and last `inner` lines, indented, with paths cut after site-packages/."""
+    lines = [line.split("site-packages/")[-1] for line in stack.splitlines()]
+    if len(lines) > outer + inner:
+        lines = lines[:outer] + ["..."] + (lines[-inner:] if inner else [])
+    return "\n".join("  " + line for line in lines)
 
 
 def read_ratio(counts) -> float:

@@ -1,5 +1,6 @@
 """Lesson 05's own code: ReadCounter measures what DCP's FileSystemReader loads when it reshards, and the
-exercise checker `05-reshard-reads` accepts the measured answer and turns a wrong one away with a hint."""
+exercise checker `05-reshard-reads` accepts the measured answer and turns a wrong one away with a hint;
+`stack_ends` shortens a hung rank's stack."""
 
 import sys
 
@@ -91,3 +92,16 @@ def test_lesson_files_go_to_the_run_folder_or_a_temporary_one(tmp_path, monkeypa
     monkeypatch.setattr(tempfile, "tempdir", None)          # re-read TMPDIR
     temporary, keep = lesson_folder("")
     assert not keep and temporary.parent == (tmp_path / "tmp").resolve()
+
+
+def test_stack_ends_shows_the_call_and_where_it_waits():
+    from fsdplab.lessons.checkpoints import stack_ends
+
+    stack = "\n".join(["Cell In[3], line 4, in <module>", "    set_model_state_dict(fresh, full_sd)"]
+                      + [f"/venv/lib/site-packages/torch/f{i}.py:{i}, in f{i}" for i in range(6)]
+                      + ["    work.wait()"])
+    shown = stack_ends(stack, outer=2, inner=2).splitlines()
+    assert shown == ["  Cell In[3], line 4, in <module>", "      set_model_state_dict(fresh, full_sd)", "  ...",
+                     "  torch/f5.py:5, in f5", "      work.wait()"]
+    assert stack_ends("a\nb", outer=4, inner=2) == "  a\n  b"                       # short: every line, no "..."
+    assert stack_ends(stack, outer=1, inner=0).splitlines() == ["  Cell In[3], line 4, in <module>", "  ..."]
