@@ -232,6 +232,12 @@ def _scenario(launcher: str, config: str) -> dict:
     t = time.monotonic()
     cluster.stop()
     out["stop_s"] = time.monotonic() - t
+    # mpiexec passes SIGTERM on and exits; a rank on the other host may still be on its way out (CI once saw one
+    # alive as stop() returned, on a loaded machine): it must be gone within seconds, not at once.
+    deadline = time.monotonic() + 15
+    while _running([p["pid"] for p in places]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out["ranks_gone_s"] = time.monotonic() - t
     out["left_after_stop"] = _running([p["pid"] for p in places])
 
     # A killed kernel: its watcher kills the controller (and mpiexec); the ranks leave on every host.
