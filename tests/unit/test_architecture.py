@@ -46,6 +46,7 @@ WING_OF = {
     "fsdplab.exercises": "face",
     "fsdplab.display": "face",
     "fsdplab.records": "face",
+    "fsdplab.import_noise": "face",         # what importing fsdplab silences of peft's and torchao's imports
     # the lessons: one module per lesson, the checkers, the posts' claims
     "fsdplab.lessons": "lessons",
     "fsdplab.recipes": "lessons",           # the lessons' case studies as torchrun scripts
