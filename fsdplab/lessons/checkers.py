@@ -94,6 +94,22 @@ def check(key: str, answer, /, **measured) -> Verdict:
     return verdict
 
 
+def first_line(err: BaseException) -> str:
+    """An error as one line: its type and the first line of its message (what a checker tells the learner)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def ranks_not_ready(cluster, stopped_when: str = "at its end") -> str | None:
+    """Why a code exercise's checker cannot run the learner's code on the lesson's ranks now, and what to do;
+    None when it can. `stopped_when` says where the lesson stops its cluster ("after section 3")."""
+    if not cluster.running:
+        return f"the ranks are stopped (the lesson stops them {stopped_when}): run cluster.start(), then this cell."
+    if cluster.broken:
+        return f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
+    return None
+
+
 def close(answer, expected, *, rel: float = 0.05, hint: str = "", unit: str = "") -> tuple:
     """(ok, message) for a numeric answer within `rel` (relative) of `expected`."""
     if isinstance(answer, (bool, str)):      # float(True) is 1.0 and float("2") is 2.0: neither is an answer

@@ -6,15 +6,10 @@ import torch
 from torch import nn
 
 from .activation_checkpointing import build, checkpoint_blocks, same_gradients_bound, token_batch, twin_config
-from .checkers import exercise
+from .checkers import exercise, first_line, ranks_not_ready
 
 
 # --- the checkpointing exercise: the learner's code, run on the live ranks --------------------------------
-
-def _first_line(err: BaseException) -> str:
-    """An error as one line: its type and the first line of its message."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _is_parameter(tensor) -> bool:
@@ -56,7 +51,7 @@ def _sharded_step(model: nn.Module, blocks: list, batch, rng_seed: int) -> dict:
             phase[0] = "backward"
             loss.backward()
     except Exception as err:  # noqa: BLE001 - the learner's model is the answer to show
-        out["run_error"] = _first_line(err)
+        out["run_error"] = first_line(err)
     finally:
         for hook in hooks:
             hook.remove()
@@ -100,14 +95,14 @@ def compare_checkpointing(checkpoint_fn, layers: int = 3, lora_rank: int = 4, dr
     try:
         returned = checkpoint_fn(model)
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
-        out["error"] = _first_line(err)
+        out["error"] = first_line(err)
         return out
     out["returned"] = ("model" if returned is None or returned is model else
                        "a module" if isinstance(returned, nn.Module) else type(returned).__name__)
     try:
         mine = step(returned if isinstance(returned, nn.Module) else model, blocks)
     except Exception as err:  # noqa: BLE001 - the learner's model is the answer to show
-        out["shard_error"] = _first_line(err)
+        out["shard_error"] = first_line(err)
         return out
     grads = mine.pop("grads")
     out.update(mine)
@@ -136,10 +131,8 @@ def _checkpoint_blocks(answer, *, cluster, layers: int = 3):
     backward ran again, and the bytes autograd kept for backward."""
     if not callable(answer):
         return False, f"expected a function my_checkpoint(model) that checkpoints each block and returns the model, got {answer!r}."
-    if not cluster.running:
-        return False, "the ranks are stopped (the lesson stops them after its exercises): run cluster.start(), then this cell."
-    if cluster.broken:
-        return False, f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
+    if (not_ready := ranks_not_ready(cluster, "after its exercises")) is not None:
+        return False, not_ready
     try:
         results = cluster.run(compare_checkpointing, answer, layers)
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show

@@ -5,16 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..comms import CommCounter, make_mesh, toy_step
-from .checkers import exercise
+from .checkers import exercise, first_line, ranks_not_ready
 from .scaling_out import node_layout
 
 
 # --- the HSDP exercise: the learner's mesh and wrapping, run on the live ranks -------------------------------
-
-def _first_line(err: BaseException) -> str:
-    """An error as one line: its type and the first line of its message."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _units(model) -> list:
@@ -78,7 +73,7 @@ def compare_hsdp(hsdp_fn, layouts=(1,), cfg=None, batch_size: int = 2, seed: int
         try:
             returned = hsdp_fn(model, ranks_per_node)
         except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
-            result["error"], returned = _first_line(err), model
+            result["error"], returned = first_line(err), model
         result["units"] = _units(model)
         result["returned"] = "model" if returned is model else "None" if returned is None else type(returned).__name__
         params = dict(model.named_parameters())
@@ -95,7 +90,7 @@ def compare_hsdp(hsdp_fn, layouts=(1,), cfg=None, batch_size: int = 2, seed: int
         try:
             step = _counted_step(model, cfg, batch_size, seed)
         except Exception as err:  # noqa: BLE001 - the learner's model is the answer to show
-            result["run_error"] = _first_line(err)
+            result["run_error"] = first_line(err)
             return out
         result.update(records=step["records"], losses=step["losses"], grad_errors={})
         for name, expected in lab_step["grads"].items():
@@ -254,10 +249,8 @@ def _hsdp(answer, *, cluster, ranks_per_node: int = 2, cfg=None, rel: float = 1e
         return False, ("with 1 rank there is one node: nothing is sharded or replicated, so which collectives "
                        "cross the node boundary, and their bytes, cannot be measured. Run the lesson with "
                        "world_size 2 or more (4 makes 2 nodes x 2).")
-    if not cluster.running:
-        return False, "the ranks are stopped (the lesson stops them at its end): run cluster.start(), then this cell."
-    if cluster.broken:
-        return False, f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
+    if (not_ready := ranks_not_ready(cluster, "at its end")) is not None:
+        return False, not_ready
     rpn = node_layout(cluster.world_size, ranks_per_node)["ranks_per_node"]
     layouts = [rpn] + ([1] if rpn > 1 else [])
     try:

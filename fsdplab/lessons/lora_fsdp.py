@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..settings import TrainSetting
-from .checkers import exercise
+from .checkers import exercise, first_line, ranks_not_ready
 
 
 # --- LoRA on a sharded model, written by the learner ----------------------------------------------------------
@@ -20,12 +20,6 @@ def lora_fsdp_setting(lora_rank: int = 16, world_size: int = 2, batch_size: int 
     return TrainSetting(model=miniature_config(task.tokenizer), world_size=world_size, lora_rank=lora_rank,
                         lora_alpha=2 * lora_rank, precision="fp32", activation_checkpointing=False,
                         seq_len=task.seq_len, batch_size=batch_size)
-
-
-def _first_line(err: BaseException) -> str:
-    """An error as one line: its type and the first line of its message."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _plain_name(name: str) -> str:
@@ -107,7 +101,7 @@ def compare_lora_fsdp(fn, lora_rank: int = 16, batch_size: int = 4, lr: float = 
         returned = fn(model, mesh())
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
         # what the function had done before it raised (peft adds its adapters inside the model it is given)
-        out["error"], out["layer_units"] = _first_line(err), sum(isinstance(layer, FSDPModule) for layer in layers)
+        out["error"], out["layer_units"] = first_line(err), sum(isinstance(layer, FSDPModule) for layer in layers)
         out["all_sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
         return out
     out["returned"] = type(returned).__name__
@@ -135,7 +129,7 @@ def compare_lora_fsdp(fn, lora_rank: int = 16, batch_size: int = 4, lr: float = 
     try:
         out["mine"] = mine = _two_steps(returned, batches, lr)
     except Exception as err:  # noqa: BLE001 - the learner's model is the answer to show
-        out["run_error"] = _first_line(err)
+        out["run_error"] = first_line(err)
         lab_steps.pop("grads")
         return out
     # the adapter gradients of both steps, side by side; and the first step's ratio of sizes (LoRA's scale)
@@ -182,11 +176,8 @@ def _lora_fsdp(answer, *, cluster, lora_rank: int = 16, rel: float = 1e-4):
     what trains, how it is sharded, and two training steps (losses, adapter gradients, bytes kept per rank)."""
     if not callable(answer):
         return False, f"expected a function my_lora_fsdp(model, mesh) that returns the model, got {answer!r}."
-    if not cluster.running:
-        return False, ("the ranks are stopped (the lesson stops them before its summary): run cluster.start(), "
-                       "then this cell.")
-    if cluster.broken:
-        return False, f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
+    if (not_ready := ranks_not_ready(cluster, "before its summary")) is not None:
+        return False, not_ready
     try:
         results = cluster.run(compare_lora_fsdp, answer, lora_rank, quiet=True)
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show

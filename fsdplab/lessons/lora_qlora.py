@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from .checkers import exercise
+from .checkers import exercise, first_line, ranks_not_ready
 
 # torchao's NF4 layout: 64 weights share one scaler, 256 scalers share one factor; a shard must hold whole
 # groups of both, so every quantized weight has a multiple of 64 x 256 x world_size elements.
@@ -189,10 +189,6 @@ def _peak_category(answer, *, run: dict):
 
 # --- exercise 2: trainable parameters of one dtype -------------------------------------------------------------
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-
 
 def planted_dtype_model(config, lora_rank: int, seed: int = 0):
     """The planted failure: a bf16 base, peft's adapters (fp32), and the RMSNorm weights trained too (bf16)."""
@@ -237,7 +233,7 @@ def try_uniform(fn, hidden_size: int, lora_rank: int, seed: int = 0) -> dict:
     try:
         returned = fn(model)
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
-        out["error"] = _first_line(err)
+        out["error"] = first_line(err)
         return out
     model = returned if isinstance(returned, nn.Module) else model
     out["norms_train"] = all(p.requires_grad for n, p in model.named_parameters() if "norm" in n)
@@ -248,16 +244,8 @@ def try_uniform(fn, hidden_size: int, lora_rank: int, seed: int = 0) -> dict:
     try:
         out["loss"] = shard_and_step(model, token_batch(config, 2, 16, seed + this_rank()))
     except Exception as err:  # noqa: BLE001 - FSDP's refusal is the answer to show
-        out["step_error"] = _first_line(err)
+        out["step_error"] = first_line(err)
     return out
-
-
-def _ranks_ready(cluster):
-    if not cluster.running:
-        return "the ranks are stopped (the lesson stops them at its end): run cluster.start(), then this cell."
-    if cluster.broken:
-        return f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
-    return None
 
 
 @exercise("12-uniform-dtype")
@@ -266,7 +254,7 @@ def _uniform_dtype(answer, *, cluster, hidden_size: int = 256, lora_rank: int = 
     sharded and stepped on every rank."""
     if not callable(answer):
         return False, f"expected a function fix(model) that returns the model, got {answer!r}."
-    if (not_ready := _ranks_ready(cluster)) is not None:
+    if (not_ready := ranks_not_ready(cluster)) is not None:
         return False, not_ready
     try:
         results = cluster.run(try_uniform, answer, hidden_size, lora_rank)
@@ -321,7 +309,7 @@ def _compute_dtype(answer, *, cluster, config, outlier_scale: float, lora_rank: 
     """The learner's compute dtype for the QLoRA twin with the outlier: a finite loss in 16 bits."""
     if answer not in (torch.float16, torch.bfloat16, torch.float32):
         return False, f"answer with torch.float16, torch.bfloat16 or torch.float32, not {answer!r}."
-    if (not_ready := _ranks_ready(cluster)) is not None:
+    if (not_ready := ranks_not_ready(cluster)) is not None:
         return False, not_ready
     if cluster.world_size == 1:
         return False, ("on one rank FSDP2 breaks torchao's NF4 (pytorch/pytorch#197999): start the cluster with 2 or "

@@ -13,7 +13,7 @@ import math
 import torch
 from matplotlib.ticker import MaxNLocator
 
-from .checkers import exercise
+from .checkers import exercise, first_line
 from .precision import underflow_fraction
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -81,10 +81,6 @@ def _reduce_bytes(answer, *, measured, params: int, dtypes):
 
 # --- fp32 norms in a bf16 model, sharded by the learner ---------------------------------------------
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-
 
 def _unit_too_late(model, error: BaseException):
     """(module, the unit around it) when `error` came from fully_shard on a module of `model` that already sat
@@ -141,7 +137,7 @@ def compare_norm_units(shard_fn, cfg=None, seed: int = 0) -> dict:
     try:
         shard_fn(model, mesh())
     except Exception as e:  # noqa: BLE001 - the learner's error is the answer to show
-        out.update(error=_first_line(e), raised_in="shard", too_late=_unit_too_late(model, e))
+        out.update(error=first_line(e), raised_in="shard", too_late=_unit_too_late(model, e))
         return out
     out["unsharded"] = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if out["unsharded"]:
@@ -151,7 +147,7 @@ def compare_norm_units(shard_fn, cfg=None, seed: int = 0) -> dict:
         with CommCounter() as counter:
             loss_of(model, batch).backward()
     except Exception as e:  # noqa: BLE001
-        out.update(error=_first_line(e), raised_in="step")
+        out.update(error=first_line(e), raised_in="step")
         return out
     out["reduced"] = reduced(counter)
     expected = dict(reference.named_parameters())

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from ..settings import MIB
-from .checkers import exercise
+from .checkers import exercise, first_line, ranks_not_ready
 
 
 # --- the offloaded setup, written by the learner -----------------------------------------------------------
-
-def _first_line(err: BaseException) -> str:
-    """An error as one line: its type and the first line of its message."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _owners(names) -> list:
@@ -126,7 +121,7 @@ def compare_offload(setup_fn, num_blocks: int = 3, batch_size: int = 2, seq_len:
     try:
         opt = setup_fn(model, mesh())
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
-        out["error"] = _first_line(err)
+        out["error"] = first_line(err)
         return out
     out["units"] = offload_units(model)
     out["plain"] = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
@@ -143,7 +138,7 @@ def compare_offload(setup_fn, num_blocks: int = 3, batch_size: int = 2, seq_len:
     try:
         mine = _one_step(model, opt, batch)
     except Exception as err:  # noqa: BLE001 - the learner's optimizer is the answer to show
-        out["run_error"] = _first_line(err)
+        out["run_error"] = first_line(err)
         return out
     diff = sum(float((mine["changes"][k] - c).pow(2).sum()) for k, c in ref["changes"].items())
     norm = sum(float(c.pow(2).sum()) for c in ref["changes"].values()) or 1.0
@@ -172,10 +167,8 @@ def _offload_setup(answer, *, cluster):
     if not callable(answer):
         return False, ("expected a function setup(model, mesh) that shards the model with offload and returns its "
                        f"optimizer, got {answer!r}.")
-    if not cluster.running:
-        return False, "the ranks are stopped (the lesson stops them at its end): run cluster.start(), then this cell."
-    if cluster.broken:
-        return False, f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
+    if (not_ready := ranks_not_ready(cluster, "at its end")) is not None:
+        return False, not_ready
     try:
         results = cluster.run(compare_offload, answer)
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from .checkers import close, exercise
+from .checkers import close, exercise, first_line, ranks_not_ready
 from ..settings import GIB, MIB
 
 NOT_AT_ONE_RANK = "not tested at world size 1"
@@ -186,12 +186,6 @@ def build_mlp_stack(num_blocks: int = 3, seed: int = 0, device="cpu") -> MLPStac
     return MLPStack(num_blocks=num_blocks).to(device)
 
 
-def _first_line(err: BaseException) -> str:
-    """An error as one line: its type and the first line of its message."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-
-
 def _units(model: nn.Module) -> list:
     """The FSDP units of `model`, by module path ("root" for the model itself), in module order."""
     from torch.distributed.fsdp import FSDPModule
@@ -239,7 +233,7 @@ def compare_wrap(wrap_fn, num_blocks: int = 3, batch_size: int = 2, seq_len: int
     try:
         returned = wrap_fn(model, mesh())
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
-        out["error"], returned = _first_line(err), model
+        out["error"], returned = first_line(err), model
     out["units"] = _units(model)
     out["returned"] = "model" if returned is model else "None" if returned is None else type(returned).__name__
     params = dict(model.named_parameters())
@@ -252,7 +246,7 @@ def compare_wrap(wrap_fn, num_blocks: int = 3, batch_size: int = 2, seq_len: int
     try:
         out["loss"], out["gathered"] = _forward_backward(model, batches[r])
     except Exception as err:  # noqa: BLE001 - the learner's model is the answer to show
-        out["run_error"] = _first_line(err)
+        out["run_error"] = first_line(err)
         return out
     out["plain_loss"], out["grad_errors"] = plain_loss, {}
     for name, p in params.items():
@@ -288,10 +282,8 @@ def _wrap(answer, *, cluster, rel: float = 1e-4):
     forward all-gathers against the lab's own wrap, loss and gradients against the unsharded model."""
     if not callable(answer):
         return False, f"expected a function wrap(model, mesh) that returns the model, got {answer!r}."
-    if not cluster.running:
-        return False, "the ranks are stopped (the lesson stops them after section 3): run cluster.start(), then this cell."
-    if cluster.broken:
-        return False, f"the ranks cannot run it ({cluster.broken.splitlines()[0]}): run cluster.restart(), then this cell."
+    if (not_ready := ranks_not_ready(cluster, "after section 3")) is not None:
+        return False, not_ready
     try:
         results = cluster.run(compare_wrap, answer)
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
