@@ -22,6 +22,12 @@ RUNNABLE_STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "hybrid_shard")
 FSDP_STRATEGIES = ("shard_grad_op", "full_shard", "hybrid_shard")
 EXACT_STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "hybrid_shard")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# How the base model's weights are stored: a precision, or QLoRA's 4-bit NF4 (fsdplab.nf4) for the decoder
+# blocks' Linear weights, the rest in bf16.
+BASE_DTYPES = PRECISIONS + ("nf4",)
+# torchao's NF4 layout: a 4-bit code per weight, an int8 scaler per 64 weights, a bf16 factor per 256 scalers.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 2 / (NF4_BLOCK * NF4_SCALER_BLOCK)
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LORA_TARGETS = ("all-linear", "attention")
 ATTENTIONS = ("sdpa", "flash", "eager")
@@ -108,7 +114,8 @@ class TrainSetting:
     # Compute dtype. FSDP keeps fp32 sharded parameters (the master copy) and reduces gradients in fp32.
     precision: str = "bf16"
     # Storage dtype of the base model's weights: fp32 (the master copy FSDP casts from), or 16-bit as most
-    # LoRA runs load the frozen base (torch_dtype=bfloat16). LoRA adapters stay fp32 either way.
+    # LoRA runs load the frozen base (torch_dtype=bfloat16), or "nf4" (QLoRA: the blocks' Linear weights in
+    # torchao's 4-bit NF4, the rest bf16; LoRA only). LoRA adapters stay fp32 either way.
     base_dtype: str = "fp32"
     # Optimizer: Adam/AdamW keep two fp32 states per trained parameter, SGD (momentum) one.
     optimizer: str = "adamw"
@@ -158,7 +165,10 @@ class TrainSetting:
         check_positive_int("world_size", self.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
         check_choice("strategy", self.strategy, STRATEGIES)
         check_choice("precision", self.precision, PRECISIONS)
-        check_choice("base_dtype", self.base_dtype, PRECISIONS)
+        check_choice("base_dtype", self.base_dtype, BASE_DTYPES)
+        if self.base_dtype == "nf4" and self.lora_rank is None:
+            raise ValueError("an NF4 base is frozen 4-bit weights: it trains only with LoRA adapters (QLoRA). Set "
+                             "lora_rank, or use base_dtype 'bf16' for a full fine-tune.")
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if isinstance(self.lora_targets, (list, tuple)):
             if not self.lora_targets or not all(isinstance(n, str) for n in self.lora_targets):

@@ -244,9 +244,12 @@ def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=
 
     model_path: a local checkpoint directory; its weights are loaded when `device` is a real device (on meta,
     `setting.model` gives the shapes). With `setting.lora_rank` the base is frozen and only the adapters train;
-    without it every parameter trains. dtype: storage dtype of the base ('fp32', 'bf16', 'fp16' or a torch
-    dtype; None is fp32); the adapters stay fp32 either way.
+    without it every parameter trains. dtype: storage dtype of the base ('fp32', 'bf16', 'fp16', a torch dtype,
+    or 'nf4': QLoRA's 4-bit blocks, `fsdplab.nf4`; None is fp32); the adapters stay fp32 either way.
     """
+    quantize = dtype == "nf4"
+    if quantize:
+        dtype = "bf16"                  # the embedding, the head and the norms; the blocks' Linears go 4-bit
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     if seed is not None:
@@ -264,6 +267,10 @@ def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=
     if hasattr(model.config, "use_cache"):
         # Off unless asked for: a KV cache while training only holds memory.
         model.config.use_cache = setting.use_cache
+    if quantize:
+        from .nf4 import apply_nf4
+
+        apply_nf4(model, shards=setting.shards)
     if setting.lora_rank is not None:
         model = apply_lora(model, setting.lora_rank, alpha=setting.lora_alpha, targets=setting.lora_targets,
                            dropout=lora_dropout, device=device)
@@ -305,6 +312,10 @@ def build_sharded(setting: TrainSetting, mesh=None, *, device=None, model_path=N
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     check_choice("strategy", setting.strategy, ("shard_grad_op", "full_shard"))
+    if setting.base_dtype == "nf4":
+        raise ValueError("build_sharded loads full weights by broadcast, which an NF4 base does not support yet: "
+                         "build the model on every rank with build_model(setting, device=..., dtype='nf4') and "
+                         "shard it (lesson 12 shows it).")
     if mesh is None:
         from .ranks import mesh as current_mesh
 

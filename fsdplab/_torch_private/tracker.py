@@ -43,6 +43,17 @@ def _split(snap: dict, key_category: dict, offloaded: set, category_max: dict, o
     return cats, kept, off
 
 
+def _storage_tensors(tensor) -> list:
+    """The tensors that hold `tensor`'s storage: itself, or for a wrapper subclass (torchao's NF4 tensor) the
+    inner tensors `__tensor_flatten__` names, whose storages the tracker counts."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [part for name in names for part in _storage_tensors(getattr(tensor, name))]
+
+
 def _all_fake(args, fake_type) -> bool:
     """Every tensor in `args` (tensors and lists of them) is a FakeTensor without a value: FakeTensorMode
     keeps the value of small tensors made from Python numbers (an optimizer's step counts), in `constant`."""
@@ -208,9 +219,10 @@ class _PeakTracker:
         def note(tensor, block):        # no op may run here: the tracker would look for peaks
             if tensor is not None:
                 local = local_shard(tensor) if isinstance(tensor, DTensor) else tensor
-                winfo = self._WINFO.get(local.untyped_storage(), (None,))[0]
-                if winfo is not None:
-                    self.block_of[self._serial(winfo)] = block
+                for part in _storage_tensors(local):
+                    winfo = self._WINFO.get(part.untyped_storage(), (None,))[0]
+                    if winfo is not None:
+                        self.block_of[self._serial(winfo)] = block
 
         for block, module in enumerate(self.record_blocks):
             for p in module.parameters():

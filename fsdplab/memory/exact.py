@@ -327,8 +327,17 @@ def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None,
                      "the device tally (FSDP2 CPUOffloadPolicy keeps them in host memory and steps the optimizer "
                      "there); the peak is that of what remains on the GPU.")
     if setting.precision != "fp32":
-        notes.append(f"{setting.precision} compute with fp32 sharded parameters (the master copy) and fp32 "
-                     "gradient reduction, as FSDP2's MixedPrecisionPolicy does.")
+        base = {"fp32": "fp32", "nf4": "4-bit NF4 codes (blocks' matrices; the rest bf16)"}.get(
+            setting.base_dtype, setting.base_dtype)
+        stored = (f"fp32 LoRA adapters (the master copy) and a frozen base stored as {base}"
+                  if setting.lora_rank is not None else f"{base} sharded parameters"
+                  + (" (the master copy)" if setting.base_dtype == "fp32" else ", trained in place"))
+        notes.append(f"{setting.precision} compute with {stored}; fp32 gradient reduction, as FSDP2's "
+                     "MixedPrecisionPolicy does.")
+    if setting.base_dtype == "nf4":
+        notes.append("NF4 base: torchao's tensor; FSDP2 all-gathers its 4-bit codes and scales, and each forward "
+                     "and backward dequantizes one matrix at a time in eager torchao code (its int64 indices are "
+                     "the largest temporaries).")
     notes += _strategy_notes(setting)
     say(f"peak {peak / GIB:.2f} GiB" if peak > GIB / 4 else f"peak {peak / MIB:.2f} MiB")
     return MemoryReport(peak_bytes=int(peak), by_category=by_category, world_size=setting.world_size,
@@ -382,7 +391,7 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
     from ..sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
 
     t0 = time.perf_counter()
-    with fake_process_group(setting.world_size):
+    with fake_process_group(setting.world_size), warnings.catch_warnings():
         mesh = data_parallel_mesh(setting)
         # peft and .to(dtype) fail inside FakeTensorMode: the model is built on the meta device, sharded there
         # (FSDP2's meta-device init, half the time of sharding fake tensors) and materialised as fake tensors
@@ -393,6 +402,13 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
         apply_data_parallel(net, setting, mesh)
         with fake_tensor_mode(), eager_attention_masks():
             net.to_empty(device="cpu")
+            if setting.base_dtype == "nf4":
+                from ..nf4 import place_constants
+
+                place_constants(net, "cpu")
+                # torchao's NF4 all-gather hook compares data pointers, which fake tensors warn about (the
+                # estimate never reads them; the warning is not the learner's)
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             opt = make_optimizer(net, setting.optimizer)
             step_local_shards(opt)
             say("sharded; running two training steps")

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .report import MemoryReport
-from ..settings import FSDP_STRATEGIES, GIB, TrainSetting, as_setting
+from ..settings import FSDP_STRATEGIES, GIB, NF4_BYTES_PER_WEIGHT, TrainSetting, as_setting
 
 
 # --- model sizes --------------------------------------------------------------------------------------
@@ -154,7 +154,17 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     seq_len, batch_size, flash_attention = setting.seq_len, setting.batch_size, setting.flash_attention
     activation_checkpointing, cpu_offload = setting.activation_checkpointing, setting.cpu_offload
     w = 4 if precision == "fp32" else 2         # bytes of a compute-dtype element
-    base_b = 4 if setting.base_dtype == "fp32" else 2   # bytes of a stored base weight
+    base_b = 4 if setting.base_dtype == "fp32" else 2   # bytes of a stored base weight (an NF4 base's rest: bf16)
+    nf4 = setting.base_dtype == "nf4"
+
+    def stored(shape, trained, where) -> float:
+        """Bytes of one stored element: LoRA adapters fp32, an NF4 base's block matrices 4-bit, else base_b."""
+        if trained and lora_rank is not None:
+            return 4
+        if nf4 and not trained and where == "block" and len(shape) == 2:
+            return NF4_BYTES_PER_WEIGHT
+        return base_b
+
     state_bytes = 8 if optimizer in ("adam", "adamw") else 4
     notes, detail = [], {}
 
@@ -176,19 +186,22 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     fsdp = strategy in FSDP_STRATEGIES
     if fsdp:
         shards = setting.shards
-        # Bytes of one stored element: LoRA adapters are fp32, base weights are stored in base_dtype. Sharded
-        # gradients and Adam's m and v take the parameter's own dtype.
-        elem = lambda t: 4 if (t and lora_rank is not None) else base_b  # noqa: E731
-        local = lambda pred: sum(shard_numel(s, shards) * elem(t) for s, t, _ in shapes if pred(t))  # noqa: E731
+        # Sharded gradients and Adam's m and v take the parameter's own dtype.
+        local = lambda pred: int(sum(shard_numel(s, shards) * stored(s, t, w_) for s, t, w_ in shapes  # noqa: E731
+                                     if pred(t)))
         sharded_params = local(lambda t: True)
         sharded_grads = local(lambda t: t)
         opt = state_bytes // 4 * local(lambda t: t) + (4 * n_trainable_tensors if optimizer != "sgd" else 0)
-        padding = sharded_params - sum(math.ceil(math.prod(s) / shards) * elem(t) for s, t, _ in shapes)
+        padding = sharded_params - int(sum(math.ceil(math.prod(s) / shards) * stored(s, t, w_)
+                                           for s, t, w_ in shapes))
         detail.update(shards=shards, padding_bytes=padding)
         # The unsharded unit in flight, in the compute dtype.
         block_numel = sum(math.prod(s) for s, _, where in shapes if where == "block") // max(spec.num_layers, 1)
         block_trainable = sum(math.prod(s) for s, t, where in shapes if where == "block" and t) // max(spec.num_layers, 1)
         root_numel = sum(math.prod(s) for s, _, where in shapes if where == "root")
+        # an NF4 base gathers its blocks' matrices as 4-bit codes with their scales, the rest in the compute dtype
+        block_gathered = sum(math.prod(s) * (NF4_BYTES_PER_WEIGHT if stored(s, t, where) < 2 else w)
+                             for s, t, where in shapes if where == "block") / max(spec.num_layers, 1)
         if strategy == "shard_grad_op" or not per_block or not spec.is_transformer:
             in_flight = w * total       # everything stays gathered from forward to backward
             notes.append("shard_grad_op / whole-model wrapping keep every parameter unsharded between forward "
@@ -198,6 +211,12 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
             # The root keeps the final norm; the embedding and the head are gathered one at a time.
             largest = max(math.prod(s) for name, s in spec.root_shapes() if name != "norm")
             in_flight = w * (spec.hidden + largest + 2 * block_numel)
+        elif nf4:
+            # the gathered codes of the current and the prefetched block, one matrix dequantized at a time
+            largest = max(math.prod(s) for s, t, where in shapes if where == "block" and len(s) == 2 and not t)
+            in_flight = int(w * root_numel + 2 * block_gathered + w * largest)
+            notes.append("NF4 base: the blocks' matrices are stored and all-gathered as 4-bit codes with their scales "
+                         f"({NF4_BYTES_PER_WEIGHT:.4f} B per weight), and dequantized one at a time.")
         else:
             in_flight = w * (root_numel + 2 * block_numel)   # root unit + current and prefetched block
         if setting.reshard_to and setting.reshard_to != shards and strategy == "full_shard" and per_block:
@@ -205,7 +224,7 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
             in_flight += spec.num_layers * w * block_numel // setting.reshard_to
         params = sharded_params + in_flight
         grads = sharded_grads + w * block_trainable
-        comm = w * block_numel + 4 * block_trainable        # all-gather output + fp32 reduce-scatter input
+        comm = int(block_gathered + 4 * block_trainable)    # all-gather output + fp32 reduce-scatter input
         resident = {"parameters": sharded_params, "gradients": sharded_grads, "optimizer_state": opt}
         detail.update(unsharded_in_flight=in_flight)
     else:
@@ -217,8 +236,8 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
             weight_b, master, state_bytes = 2, 0, state_bytes // 2
             notes.append(f"{setting.base_dtype} base trained in place: no fp32 master copy, optimizer state in "
                          f"{setting.base_dtype}.")
-        frozen = total - trainable
-        params = weight_b * trainable + base_b * frozen   # the frozen base stays as stored
+        frozen_bytes = sum(math.prod(s) * stored(s, t, where) for s, t, where in shapes if not t)
+        params = int(weight_b * trainable + frozen_bytes)   # the frozen base stays as stored
         grads = weight_b * trainable / (n if strategy == "zero2" else 1)
         opt = (master + state_bytes) * trainable / (n if strategy in ("zero1", "zero2") else 1)
         if strategy == "ddp" and optimizer != "sgd":

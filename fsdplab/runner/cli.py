@@ -361,7 +361,7 @@ def _one_line_error(parser):
 
 def main(argv=None) -> int:
     from ..models import MODELS
-    from ..settings import ATTENTIONS, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
+    from ..settings import ATTENTIONS, BASE_DTYPES, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS
 
     parser = argparse.ArgumentParser(prog="fsdplab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -422,8 +422,9 @@ def main(argv=None) -> int:
     est.add_argument("--seq-len", default="2048", help="tokens per sequence, or a comma list (e.g. 512,1024,2048)")
     est.add_argument("--batch-size", default="1", help="micro-batch per GPU, or a comma list (e.g. 1,2,4)")
     est.add_argument("--precision", default="bf16", choices=PRECISIONS, help="compute dtype")
-    est.add_argument("--base-dtype", default="fp32", choices=PRECISIONS,
-                     help="storage dtype of the base weights (16-bit is how most LoRA runs load the frozen base)")
+    est.add_argument("--base-dtype", default="fp32", choices=BASE_DTYPES,
+                     help="storage dtype of the base weights (16-bit is how most LoRA runs load the frozen base; "
+                          "nf4 is QLoRA's 4-bit base, with --lora-rank)")
     est.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     est.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", metavar="MODE",
                      help="recompute activations in backward: full (every block; the flag alone), K (every K-th "

@@ -56,6 +56,7 @@ WING_OF = {
     "fsdplab.settings": "subject",
     "fsdplab.models": "subject",
     "fsdplab.sharding": "subject",
+    "fsdplab.nf4": "subject",               # QLoRA's 4-bit base, for the builder and the estimator
     # instruments and files
     "fsdplab.comms": "instruments",
     "fsdplab.network": "instruments",
