@@ -8,11 +8,8 @@ import math
 import torch
 from torch import nn
 
+from ..nf4 import apply_nf4, check_shardable, local_bytes, nf4
 from .checkers import exercise, first_line, ranks_not_ready
-
-# torchao's NF4 layout: 64 weights share one scaler, 256 scalers share one factor; a shard must hold whole
-# groups of both, so every quantized weight has a multiple of 64 x 256 x world_size elements.
-NF4_GROUP = 64 * 256
 
 
 # --- the model ------------------------------------------------------------------------------------------------
@@ -27,55 +24,8 @@ def twin_config(hidden_size: int = 256, num_layers: int = 4, vocab_size: int = 4
     config.intermediate_size = intermediate_size
     for name, numel in (("hidden_size x hidden_size", hidden_size * hidden_size),
                         ("hidden_size x intermediate_size", hidden_size * intermediate_size)):
-        if numel % (NF4_GROUP * world_size):
-            raise ValueError(f"{name} = {numel:,} weights cannot be NF4 shards on {world_size} ranks: torchao needs a "
-                             f"multiple of {NF4_GROUP:,} x {world_size}. Use hidden_size 256 and intermediate_size "
-                             "768, or sizes that are multiples of 256.")
+        check_shardable(numel, world_size, name)
     return config
-
-
-def nf4():
-    """torchao's NF4 tensor: (to_nf4, linear_nf4, NF4Tensor). ImportError with the fix when torchao is missing."""
-    try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, linear_nf4, to_nf4
-    except ImportError:
-        try:                             # torchao before 0.15 kept it here
-            from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
-        except ImportError as err:
-            raise ImportError("QLoRA's 4-bit base needs torchao: pip install torchao") from err
-    return to_nf4, linear_nf4, NF4Tensor
-
-
-class NF4Linear(nn.Linear):
-    """A frozen Linear whose weight is torchao's NF4 tensor (4-bit codes, int8 scalers, a 16-bit factor), as
-    torchtune's FrozenNF4Linear. The weight is dequantized in forward, to the dtype of the input."""
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> NF4Linear:
-        to_nf4, _, _ = nf4()
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to(torch.bfloat16)
-        new.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
-        new.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        return new
-
-    def forward(self, x):
-        _, linear_nf4, _ = nf4()
-        out = linear_nf4(x, self.weight)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
-
-
-def local_bytes(tensor) -> int:
-    """Bytes of this rank's part of a parameter: a DTensor's shard, and for NF4 its codes, scalers and factors."""
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    parts = ("quantized_data", "quantized_scalers", "quantization_factor")
-    if all(hasattr(local, part) for part in parts):
-        return sum(getattr(local, part).nbytes for part in parts)
-    return local.nbytes
 
 
 def base_bytes(model) -> int:
@@ -158,16 +108,46 @@ def largest_mlp_activation(model, batch) -> float:
     return largest[0]
 
 
-# --- the 7B figures -------------------------------------------------------------------------------------------
+# --- the estimator's settings ----------------------------------------------------------------------------------
 
-def linear_weights_7b(model_name: str = "qwen-7b") -> dict:
-    """Weights of the full-size model by where QLoRA puts them: `blocks` (the decoder Linears' weights, which
-    it quantizes) and `rest` (embedding, head, norms, biases, which stay 16-bit). Counted on the meta device."""
-    from ..models import blocks_of, causal_lm
+BIG_MODELS = ("qwen-7b", "llama2-70b")
 
-    model = causal_lm(model_name, device="meta")
-    blocks = sum(m.weight.numel() for b in blocks_of(model) for m in b.modules() if type(m) is nn.Linear)
-    return {"blocks": blocks, "rest": sum(p.numel() for p in model.parameters()) - blocks}
+
+def big_settings() -> list:
+    """LoRA at full size, as the estimator runs it: Qwen-7B and Llama-2-70B, r=64 on every Linear, 8 ranks, bf16
+    compute, activation checkpointing, one sequence of 2048 tokens; with a bf16 base and with an NF4 base."""
+    from ..settings import TrainSetting
+
+    return [TrainSetting(model=model, world_size=8, lora_rank=64, base_dtype=base, precision="bf16", seq_len=2048,
+                         batch_size=1, activation_checkpointing=True)
+            for model in BIG_MODELS for base in ("bf16", "nf4")]
+
+
+def twin_setting(config, world_size: int, lora_rank: int, seq_len: int, batch_size: int, base_dtype: str):
+    """The lesson's measured twin run as a TrainSetting, for the estimator."""
+    from ..settings import TrainSetting
+
+    return TrainSetting(model=config, world_size=world_size, lora_rank=lora_rank, base_dtype=base_dtype,
+                        precision="bf16", seq_len=seq_len, batch_size=batch_size)
+
+
+def settings_ahead() -> list:
+    """What a run of several lessons estimates ahead for this one: the full-size settings and, at the lesson's
+    defaults, the twin's NF4 run."""
+    return big_settings() + [twin_setting(twin_config(), 2, 8, 256, 4, "nf4")]
+
+
+def big_table(reports: list) -> str:
+    """One line per full-size estimate: the base's shard, the peak, and where the step is at the peak."""
+    from ..settings import GIB
+
+    lines = [f"{'model':12s}{'base':>6s}{'weight shard':>14s}{'peak':>8s}  (GiB per GPU)  the step at its peak"]
+    for r in reports:
+        s, m = r.settings, r.peak_moment
+        where = m.get("module", "").replace("base_model.model.model.", "").replace("_checkpoint_wrapped_module.", "")
+        lines.append(f"{s['model']:12s}{s['base_dtype']:>6s}{r.resident['parameters'] / GIB:14.2f}"
+                     f"{r.peak_bytes / GIB:8.2f}  {m.get('phase', '?')}, {where or '-'}, {m.get('op', '-')}")
+    return "\n".join(lines)
 
 
 # --- exercise 1: where the peak lands -------------------------------------------------------------------------
@@ -285,18 +265,14 @@ def qlora_loss(config, param_dtype, outlier_scale: float, lora_rank: int, batch_
                seed: int = 0) -> dict:
     """On a rank: the QLoRA twin with the planted outlier, sharded with `param_dtype` as compute dtype: the loss
     of one step and the largest MLP activation in that dtype."""
-    from ..models import blocks_of, causal_lm
-    from ..ranks import this_rank
+    from ..models import causal_lm
+    from ..ranks import this_rank, world_size
     from ..sharding import apply_lora
 
     torch.manual_seed(seed)
     model = causal_lm(config, device="cpu", dtype=torch.bfloat16)
     plant_outlier(model, outlier_scale)
-    for block in blocks_of(model):
-        for module in list(block.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, NF4Linear.from_linear(child))
+    apply_nf4(model, world_size())
     model = apply_lora(model, lora_rank, device="cpu")
     batch = token_batch(config, batch_size, seq_len, seed + this_rank())
     loss = shard_and_step(model, batch, param_dtype)

@@ -22,17 +22,14 @@ def _lora_run(base_dtype, quantize: bool = False) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdplab.models import blocks_of, causal_lm
-    from fsdplab.ranks import mesh, this_rank
+    from fsdplab.nf4 import apply_nf4
+    from fsdplab.ranks import mesh, this_rank, world_size
 
     config = lesson.twin_config(num_layers=2, vocab_size=1024)
     torch.manual_seed(0)
     model = causal_lm(config, device="cpu", dtype=base_dtype)
     if quantize:
-        for block in blocks_of(model):
-            for module in list(block.modules()):
-                for name, child in list(module.named_children()):
-                    if type(child) is torch.nn.Linear:
-                        setattr(module, name, lesson.NF4Linear.from_linear(child))
+        apply_nf4(model, world_size())
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in blocks_of(model):
@@ -130,7 +127,7 @@ def test_compute_dtype(cluster):
 
 
 def test_nf4_sizes_refused_with_the_fix():
-    with pytest.raises(ValueError, match="hidden_size 256 and intermediate_size 768"):
+    with pytest.raises(ValueError, match=r"16,384 weights, which cannot be NF4 shards over 2 rank\(s\)"):
         lesson.twin_config(hidden_size=128)
     with pytest.raises(ValueError, match=r"multiple of 16,384 x 4"):
         lesson.twin_config(hidden_size=256, intermediate_size=320, world_size=4)
