@@ -1,12 +1,12 @@
 """Lesson 03 (CPU offload) only: exact estimates of the posts' full fine-tune with and without CPU offload, the
 modelled cost tables, figures and dashboard (of `fsdplab.lessons.offload`'s models), the verdicts of claim 7 computed
-from the lesson's numbers, and the lesson's exercise on the host memory offload fills (its code exercise is in
-`offload_setup`).
+from the lesson's numbers, the plumbing of section 5 (clip_grad_norm_ with offload) and the lesson's exercises on
+the host memory offload fills and on the group a clip with offload needs (its code exercise is in `offload_setup`).
 """
 
 from __future__ import annotations
 
-from .checkers import close, exercise
+from .checkers import close, exercise, first_line, ranks_not_ready
 from .offload import GPUS, RESERVE_GIB, plan, step_time
 from ..settings import GIB
 from .full_finetune import full_finetune_settings
@@ -310,3 +310,146 @@ def _host_gib(answer, *, measured):
     return close(answer, measured, rel=0.05, unit=" GiB",
                  hint="offload keeps each rank's shard of the fp32 parameters, their fp32 gradients and AdamW's "
                       "two fp32 moments: bytes per parameter x parameters / ranks, then / 2**30.")
+
+
+# --- section 5: clip_grad_norm_ with offload, and exercise 6 -------------------------------------------------------
+
+def placed(dtensor) -> str:
+    """Where a DTensor lives, in words: 'DTensor, local shard on cpu, placements (Shard(dim=0),)'."""
+    return f"DTensor, local shard on {dtensor.to_local().device.type}, placements {tuple(dtensor.placements)}"
+
+
+def grads_on(model, mesh) -> list:
+    """A sharded `model`'s parameters as DTensors of `mesh`, each with its gradient: the same local shards (no copy),
+    so `clip_grad_norm_` on them scales the model's gradients with its all-reduce in `mesh`'s group. `mesh` must
+    have the shards' device type: `DTensor.from_local` moves a local tensor to its mesh's device."""
+    from torch.distributed.tensor import DTensor
+
+    def view(t):
+        return DTensor.from_local(t.to_local(), mesh, t.placements, shape=t.shape, stride=t.stride())
+
+    views = [view(param.detach()) for param in model.parameters()]
+    for shard, param in zip(views, model.parameters()):
+        shard.grad = view(param.grad)
+    return views
+
+
+def clip_sentence(where: dict, norm_gap: float, collectives: list, clip_over_step: float, error) -> str:
+    """Section 5's numbers in one Markdown sentence, for the end of the lesson."""
+    sent = sum(c["sent_bytes"] for c in collectives)
+    kinds = ", ".join(sorted({c["kind"].replace("_", "-") for c in collectives})) or "no collective"
+    said = error.split(": ", 1)[-1].rsplit("  (", 1)[0] if error else ""    # the exception, without ranks and cell
+    failed = f"in a group without a CPU backend it failed: `{said}`" if error else "without a CPU backend it passed"
+    return (f"**Clipping with offload (section 5):** the gradient was a {where['gradient']}; the total norm matched "
+            f"the norm without offload to {norm_gap:.1e}; the clip sent {sent:.0f} B per rank ({kinds}) and took "
+            f"{clip_over_step:.2f}x the time of the AdamW step; {failed}.")
+
+
+def device_backends(text: str) -> dict:
+    """Device type -> backend, as `init_process_group(backend=text)` serves them ('nccl': cuda only). ValueError in
+    one line naming no right answer (torch's own message names one) for a string torch would refuse or misread."""
+    import torch.distributed as dist
+
+    capability, text = dist.Backend.backend_capability, text.strip().lower()
+    known = ", ".join(sorted(capability))
+    if ":" not in text:
+        if text not in capability:
+            raise ValueError(f"{text!r} is neither a backend torch knows ({known}) nor 'device:backend' pairs.")
+        return {device: text for device in capability[text]}
+    served = {}
+    for part in text.split(","):
+        device, _, backend = (word.strip() for word in part.partition(":"))
+        if not device or not backend or ":" in backend:
+            raise ValueError(f"{part.strip()!r} is not a 'device:backend' pair (pairs are joined by commas).")
+        if device not in ("cpu", "cuda") or backend not in capability or device in served:
+            raise ValueError(f"{part.strip()!r}: " + (
+                "name the devices 'cpu' and 'cuda'" if device not in ("cpu", "cuda")
+                else f"torch knows the backends {known}" if backend not in capability
+                else f"{device} is named twice, and a group has one backend per device type") + ".")
+        served[device] = backend
+    return served
+
+
+def clip_in_group(served: dict, max_norm: float = 0.5, seed: int = 0) -> dict:
+    """On a rank: the tiny transformer sharded with CPU offload in the lab's group, one backward, its global norm,
+    then `clip_grad_norm_` with its all-reduce in a new group serving each device as `served` says (gloo stands in
+    for nccl where NCCL is not built): the clipped norm and the bytes sent, or the error and if the group was made."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from ..comms import CommCounter
+    from ..models import TinyConfig, random_batch
+    from ..ranks import device, mesh, this_rank
+    from ..sharding import build_tiny, loss_of
+
+    stand_in = {"nccl": "nccl" if dist.is_nccl_available() else "gloo"}
+    cfg, policy = TinyConfig(), CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    model = build_tiny(cfg, seed=seed, device=device())
+    for block in [*model.layers, model]:
+        fully_shard(block, mesh=mesh(), offload_policy=policy)
+    loss_of(model, random_batch(cfg, 2, seed=seed + 1 + this_rank(), device=device())).backward()
+    out = {"rank": this_rank(),
+           "lab_norm": torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()}
+    group = None
+    try:   # every rank makes every group, in the same order; it stays (destroying one prints c10d warnings)
+        group = dist.new_group(backend=",".join(f"{d}:{stand_in.get(b, b)}" for d, b in served.items()))
+        # a mesh name of its own: DTensor caches by mesh, and meshes over the same ranks are equal whatever the group
+        clip_mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"clip_{group.group_name}",))
+        with CommCounter(fsdp_labels=False) as comms:
+            out["norm"] = torch.nn.utils.clip_grad_norm_(grads_on(model, clip_mesh), max_norm).full_tensor().item()
+        out["bytes"] = comms.total("sent_bytes")
+    except (RuntimeError, ValueError, AssertionError) as err:   # torch's refusal: the learner's answer to show
+        out.update(error=first_line(err), made=group is not None)
+    return out
+
+
+@exercise("03-clip-backend")
+def _clip_backend(answer, *, cluster):
+    """The learner's `init_process_group` backend for GPU ranks that offload and clip: made on the live ranks, an
+    offloaded model's gradients clipped in it against the global norm, and what it would serve CUDA tensors with."""
+    import torch.distributed as dist
+
+    if not isinstance(answer, str):
+        return False, f"expected the backend string init_process_group takes, got {answer!r}."
+    try:
+        served = device_backends(answer)
+    except ValueError as err:
+        return False, str(err)
+    capability = dist.Backend.backend_capability
+    unable = [f"{name} cannot move {dev.upper()} tensors (torch lists it for {', '.join(capability[name])} only)"
+              for dev, name in served.items() if dev not in capability[name]]
+    if unable:
+        return False, "; ".join(unable) + "."
+    if (not_ready := ranks_not_ready(cluster, "at its end")) is not None:
+        return False, not_ready
+    try:
+        results = cluster.run(clip_in_group, served)
+    except Exception as err:  # noqa: BLE001 - the learner's group is the answer to show
+        return False, f"your group raised on the ranks: {first_line(err)}"
+    failed = next((r for r in results if "error" in r), None)
+    if failed:
+        if not failed["made"]:
+            return False, f"torch could not make your group on rank {failed['rank']}: {failed['error']}"
+        return False, (f"clip_grad_norm_ failed on rank {failed['rank']} ({failed['error']})" + (
+            ": your group has no backend for CPU tensors, and with offload the gradient shards, their norm and its "
+            "all-reduce are on the CPU." if "cpu" not in served else "."))
+    if "cpu" not in served:             # one rank all-reduces nothing, so nothing failed
+        return False, ("your group has no backend for CPU tensors: with offload the gradient shards, their norm and "
+                       "its all-reduce are on the CPU, and on more than one rank the clip fails.")
+    worst = max(results, key=lambda r: abs(r["norm"] - r["lab_norm"]))
+    if abs(worst["norm"] - worst["lab_norm"]) > 1e-6 * max(1.0, worst["lab_norm"]):
+        return False, f"rank {worst['rank']} clipped by {worst['norm']:.6f}, not the global {worst['lab_norm']:.6f}."
+    if "cuda" not in served:
+        return False, ("the clip ran, its all-reduce on the CPU, but your group has no backend for CUDA tensors: on "
+                       "GPU ranks FSDP's all-gathers and reduce-scatters would fail ('No backend type associated with "
+                       "device type cuda').")
+    if served["cuda"] != "nccl":
+        return False, (f"the clip ran, but {served['cuda']} would also carry FSDP's all-gathers and reduce-scatters of "
+                       "CUDA tensors on GPU ranks, NCCL's work (torch's backend table lists gloo on GPUs for "
+                       "broadcast and all-reduce only).")
+    stood_in = "" if dist.is_nccl_available() else " (gloo stood in for nccl on these GPU-less ranks)"
+    return True, (f"the group serves CPU tensors with {served['cpu']} and CUDA tensors with nccl{stood_in}: "
+                  f"clip_grad_norm_ all-reduced the offloaded gradients' norm on the CPU ({results[0]['bytes']:.0f} B "
+                  f"sent per rank) and every rank clipped by the global norm, {results[0]['lab_norm']:.4f}.")
