@@ -285,6 +285,7 @@ def try_block(block_class, *, dim: int = 64, num_layers: int = 2, seq_len: int =
 
     from ..models import TinyConfig, random_batch
     from ..ranks import rank
+    from ..sharding import loss_of
 
     cfg = TinyConfig(dim=dim, num_layers=num_layers, seq_len=seq_len)
     tokens, targets = random_batch(cfg, batch_size=batch_size, seed=BATCH_SEED + rank())
@@ -308,8 +309,7 @@ def try_block(block_class, *, dim: int = 64, num_layers: int = 2, seq_len: int =
         outputs = []                # every block's output: the final LayerNorm would hide a block's scale
         hooks = [block.register_forward_hook(lambda module, args, out: outputs.append(out.detach().float()))
                  for block in model.layers]
-        logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+        loss_of(model, (tokens, targets)).backward()      # the lab's loss: fp32 cross-entropy of the logits
         for hook in hooks:
             hook.remove()
         if name == "reference":

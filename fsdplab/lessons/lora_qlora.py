@@ -55,16 +55,15 @@ def token_batch(config, batch_size: int, seq_len: int, seed: int, device="cpu") 
 
 def step_report(model, optimizer, batch, steps: int = 2) -> dict:
     """On a rank: `steps` training steps under torch's memory tracker, then one more under the collective
-    counter. Plain numbers: the peak and what it is made of, what stays between steps, bytes all-gathered and
+    counter (the optimizer's step moves nothing). Plain numbers: the peak and what it is made of, what stays between steps, bytes all-gathered and
     reduce-scattered in one step (full tensors, as the counter reports them), and the loss."""
     from ..comms import CommCounter
     from ..memory import measure
+    from ..sharding import train_step
 
     report = measure(model, optimizer, batch, steps=steps)
     with CommCounter(fsdp_labels=False) as counter:
-        loss = model(**batch).loss
-        loss.backward()
-    optimizer.zero_grad()
+        loss = train_step(model, optimizer, batch)
     dtypes = sorted({r["dtype"] for r in counter.records if r["kind"] == "all_gather"})
     return {"peak": report.peak_bytes, "by_category": dict(report.by_category), "resident": dict(report.resident),
             "base": base_bytes(model), "all_gather": counter.total("tensor_bytes", kind="all_gather"),
@@ -171,12 +170,14 @@ def _peak_category(answer, *, run: dict):
 
 
 def planted_dtype_model(config, lora_rank: int, seed: int = 0):
-    """The planted failure: a bf16 base, peft's adapters (fp32), and the RMSNorm weights trained too (bf16)."""
+    """On a rank: the planted failure, on the rank's device: a bf16 base, peft's adapters (fp32), and the RMSNorm
+    weights trained too (bf16)."""
     from ..models import causal_lm
+    from ..ranks import device
     from ..sharding import apply_lora
 
     torch.manual_seed(seed)
-    model = apply_lora(causal_lm(config, device="cpu", dtype=torch.bfloat16), lora_rank, device="cpu")
+    model = apply_lora(causal_lm(config, device=device(), dtype=torch.bfloat16), lora_rank, device=device())
     for name, p in model.named_parameters():
         if "norm" in name:
             p.requires_grad_(True)
@@ -204,7 +205,7 @@ def shard_and_step(model, batch, param_dtype=torch.bfloat16) -> float:
 def try_uniform(fn, hidden_size: int, lora_rank: int, seed: int = 0) -> dict:
     """On a rank: the planted model, the learner's `fn(model)`, then shard and step it. What trains, in which
     dtypes, the bytes of the frozen base before and after, and the loss or the error."""
-    from ..ranks import this_rank, world_size
+    from ..ranks import device, this_rank, world_size
 
     config = twin_config(hidden_size=hidden_size, num_layers=2, vocab_size=512, world_size=world_size())
     model = planted_dtype_model(config, lora_rank, seed)
@@ -222,7 +223,7 @@ def try_uniform(fn, hidden_size: int, lora_rank: int, seed: int = 0) -> dict:
     out["base_after"] = sum(p.nbytes for p in model.parameters() if not p.requires_grad)
     out["frozen_dtypes"] = sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})
     try:
-        out["loss"] = shard_and_step(model, token_batch(config, 2, 16, seed + this_rank()))
+        out["loss"] = shard_and_step(model, token_batch(config, 2, 16, seed + this_rank(), device()))
     except Exception as err:  # noqa: BLE001 - FSDP's refusal is the answer to show
         out["step_error"] = first_line(err)
     return out
@@ -266,15 +267,15 @@ def qlora_loss(config, param_dtype, outlier_scale: float, lora_rank: int, batch_
     """On a rank: the QLoRA twin with the planted outlier, sharded with `param_dtype` as compute dtype: the loss
     of one step and the largest MLP activation in that dtype."""
     from ..models import causal_lm
-    from ..ranks import this_rank, world_size
+    from ..ranks import device, this_rank, world_size
     from ..sharding import apply_lora
 
     torch.manual_seed(seed)
-    model = causal_lm(config, device="cpu", dtype=torch.bfloat16)
+    model = causal_lm(config, device=device(), dtype=torch.bfloat16)
     plant_outlier(model, outlier_scale)
     apply_nf4(model, world_size())
-    model = apply_lora(model, lora_rank, device="cpu")
-    batch = token_batch(config, batch_size, seq_len, seed + this_rank())
+    model = apply_lora(model, lora_rank, device=device())
+    batch = token_batch(config, batch_size, seq_len, seed + this_rank(), device())
     loss = shard_and_step(model, batch, param_dtype)
     return {"rank": this_rank(), "loss": loss, "largest": largest_mlp_activation(model, batch)}
 

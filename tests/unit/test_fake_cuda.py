@@ -169,3 +169,36 @@ def test_comms_toy_step_and_count_train_step():
         comms.toy_step(model, optimizer, cfg, batch_size=2, seed=0)
         comms.count_train_step("full_shard", batch_size=2)
     """)
+
+
+def test_lesson_12_rank_code():
+    """Lesson 12: the LoRA twin built on the rank's device with an NF4 base, its batch, the planted dtype model
+    and the checkers' rank functions (their models and batches on the rank's device)."""
+    run_as_cuda("""
+        from peft import LoraConfig, get_peft_model
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from fsdplab.lessons import lora_qlora as lesson
+        from fsdplab.nf4 import apply_nf4
+        config = lesson.twin_config(num_layers=2, vocab_size=512)
+        batch = lesson.token_batch(config, 2, 16, seed=fsdplab.rank(), device=fsdplab.device())
+        model = models.causal_lm(config, device=fsdplab.device(), dtype=torch.bfloat16)
+        apply_nf4(model, fsdplab.world_size())
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in models.blocks_of(model):
+            fully_shard(block, mesh=fsdplab.mesh(), mp_policy=policy)
+        fully_shard(model, mesh=fsdplab.mesh(), mp_policy=policy)
+        assert model(**batch).loss.device.type == "cuda"
+        planted = lesson.planted_dtype_model(config, 4)
+        assert {p.device.type for p in planted.parameters()} == {"cuda"}
+
+        def fix(model):
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+            return model
+
+        out = lesson.try_uniform(fix, 256, 4)
+        assert "loss" in out, out
+        assert "loss" in lesson.qlora_loss(config, torch.bfloat16, 300.0, 4, 2, 16)
+    """, timeout=120)
