@@ -289,6 +289,8 @@ class Cluster:
     def _join_group(self):
         group = self._group
         group.client[group.engine_ids].use_cloudpickle()
+        shipped_code.classes_by_cloudpickle()                  # classes too, here and on every rank
+        group.client[group.engine_ids].apply_sync(shipped_code.classes_by_cloudpickle)
         group.engine_ids, group.info, group.procs, group.launched_by = self.launcher.join_group(self._plan, group)
         self._write_pidfile()
         # Names a %%ranks cell can use without importing anything.

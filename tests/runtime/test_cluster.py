@@ -35,6 +35,29 @@ def test_run_passes_arguments_and_closures(cluster):
     assert cluster.run(add, 1, b=2) == [103, 104]
 
 
+def test_run_passes_classes_whose_methods_call_super(cluster):
+    """A class defined in the notebook (here: in a function, which ships it by value too) reaches the ranks as
+    itself: its methods' super() without arguments works there, and what it makes is an instance of it."""
+    class Base:
+        def value(self):
+            return 1
+
+    class Child(Base):
+        def __init__(self):
+            super().__init__()
+
+        def value(self):
+            return super().value() + fsdplab.rank()
+
+    Base.__module__ = Child.__module__ = "__main__"        # as a notebook cell defines them
+
+    def use(cls):
+        made = cls()
+        return made.value(), isinstance(made, cls)
+
+    assert cluster.run(use, Child) == [(1, True), (2, True)]
+
+
 def test_ranks_have_env_mesh_and_split_threads(cluster):
     def info():
         import os
