@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .settings import NF4_BLOCK, NF4_BYTES_PER_WEIGHT, NF4_SCALER_BLOCK
+from .settings import NF4_BLOCK, NF4_SCALER_BLOCK
 
 GROUP = NF4_BLOCK * NF4_SCALER_BLOCK    # a shard holds whole groups: a multiple of 16,384 weights
-BYTES_PER_WEIGHT = NF4_BYTES_PER_WEIGHT
 
 
 def nf4():
