@@ -9,9 +9,11 @@ What a script cannot do (restart its ranks, change their number, a timeout per g
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import re
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -91,7 +93,10 @@ def begin() -> None:
     warnings.filterwarnings("ignore", message=".*non-interactive.*cannot be shown")
     if dist.get_rank() != 0:
         sys.stdout = _Quiet()
-        os.environ["FSDPLAB_FIGURES"] = tempfile.mkdtemp(prefix=f"fsdplab-figures-rank{dist.get_rank()}-")
+        # Rank 0 draws the lesson's figures; the others' copies go to a folder of their own, gone at exit.
+        figures = tempfile.mkdtemp(prefix=f"fsdplab-figures-rank{dist.get_rank()}-")
+        atexit.register(shutil.rmtree, figures, True)
+        os.environ["FSDPLAB_FIGURES"] = figures
 
 
 def end() -> None:

@@ -33,10 +33,11 @@ def _env(**extra):
 
 def _torchrun(script, ranks: int, tmp_path, timeout: int = 400):
     jsonl = tmp_path / "records.jsonl"
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                           env=_env(FSDPLAB_RECORDS=str(jsonl), FSDPLAB_OUT=str(tmp_path / "out"),
-                                   FSDPLAB_FIGURES=str(tmp_path / "figures")))
+                                   FSDPLAB_FIGURES=str(tmp_path / "figures"), TMPDIR=str(tmp_path / "tmp")))
     found = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
     return proc, found
 
@@ -136,6 +137,8 @@ def test_the_script_cluster_plays_the_notebook_cluster(tmp_path):
     assert got["refused"] == ["this part of the lesson starts 3 ranks, and the script runs on 2",
                               "a script cannot restart its ranks"]
     assert "[rank 0] from every rank" in proc.stdout and "[rank 1] from every rank" in proc.stdout
+    left = list((tmp_path / "tmp").glob("fsdplab*"))            # (torchrun keeps a torchelastic_* folder there)
+    assert not left, f"the script left temporary folders behind: {left}"
 
 
 def _notebook_records(stem, executed_lessons, tmp_path):
