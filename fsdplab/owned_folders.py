@@ -143,6 +143,28 @@ def lesson_folder(path: str, name: str, *, what: str = "") -> tuple:
     return fresh_owned(Path(temp) / folder, within=temp, mode=0o700, what=what), True
 
 
+def shared_lesson_folder(path: str, name: str, *, what: str = "") -> tuple:
+    """`lesson_folder` for rank code: rank 0 of the default process group makes the folder and every rank gets
+    its (folder, keep), so the ranks of one machine write and read one folder (a temporary folder made on each
+    rank would differ). Every rank must call it. Without a process group: `lesson_folder`."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return lesson_folder(path, name, what=what)
+    made = [None]
+    if dist.get_rank() == 0:
+        try:
+            folder, keep = lesson_folder(path, name, what=what)
+            made = [(str(folder), keep, "")]
+        except ValueError as err:            # every rank raises it, not rank 0 alone while the others wait
+            made = [("", False, str(err))]
+    dist.broadcast_object_list(made, src=0)
+    folder, keep, error = made[0]
+    if error:
+        raise ValueError(error)
+    return Path(folder), keep
+
+
 _temp_fallbacks: dict = {}
 
 

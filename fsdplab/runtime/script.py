@@ -31,9 +31,21 @@ RANK_NAMES = ("rank", "world_size", "device", "mesh", "print0", "local_rank", "n
 RANK_CALL = re.compile(r"(?<![\w.])(?<!def )(" + "|".join(RANK_NAMES) + r")\(")
 
 
+RANK_IMPORT = re.compile(r"^([ \t]*)from fsdplab\.ranks import ([\w ,]+?)[ \t]*(#.*)?$", re.M)
+
+
+def _rank_import(match) -> str:
+    """A cell's `from fsdplab.ranks import rank, world_size, ...` as the script needs it: the rank names are
+    written out in full below, so importing them would hide the parameters of the same name."""
+    indent, names, comment = match.group(1), [n.strip() for n in match.group(2).split(",")], match.group(3)
+    others = [n for n in names if n not in RANK_NAMES]
+    line = indent + "import fsdplab.ranks" + (f"; from fsdplab.ranks import {', '.join(others)}" if others else "")
+    return line + (f"   {comment}" if comment else "")
+
+
 def rank_code(source: str) -> str:
     """`source` of a %%ranks cell (or cluster.execute) with its calls of the rank names written out in full."""
-    return RANK_CALL.sub(r"fsdplab.ranks.\1(", source)
+    return RANK_CALL.sub(r"fsdplab.ranks.\1(", RANK_IMPORT.sub(_rank_import, source))
 
 
 def _namespace() -> dict:

@@ -7,7 +7,9 @@ else from a run here."""
 
 import ast
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -31,10 +33,11 @@ def _env(**extra):
     return env
 
 
-def _torchrun(script, ranks: int, tmp_path, timeout: int = 400):
+def _torchrun(script, ranks: int, tmp_path, timeout: int = 400, options=()):
     jsonl = tmp_path / "records.jsonl"
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *options,
+           str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                           env=_env(FSDPLAB_RECORDS=str(jsonl), FSDPLAB_OUT=str(tmp_path / "out"),
                                    FSDPLAB_FIGURES=str(tmp_path / "figures"), TMPDIR=str(tmp_path / "tmp")))
@@ -63,7 +66,8 @@ def test_ranks_cells_run_inline_with_their_calls_written_out(tmp_path):
         nbformat.v4.new_code_cell("world_size = 2", metadata={"tags": ["parameters"]}),
         nbformat.v4.new_markdown_cell("## A heading\nprose that is not carried"),
         nbformat.v4.new_code_cell("%load_ext fsdplab\ncluster = fsdplab.Cluster(world_size).start()"),
-        nbformat.v4.new_code_cell("%%ranks\nx = torch.ones(2) * rank()\nprint0(world_size())"),
+        nbformat.v4.new_code_cell("%%ranks\nfrom fsdplab.ranks import rank, world_size, print0, first_ranks  # used\n"
+                                  "x = torch.ones(2) * rank()\nprint0(world_size())"),
         nbformat.v4.new_code_cell("%%ranks -r 1\ny = 1"),
         nbformat.v4.new_code_cell("!echo {world_size}"),
         nbformat.v4.new_code_cell("open('f', 'w').write('x')", metadata={"tags": ["writes-files"]}),
@@ -78,6 +82,8 @@ def test_ranks_cells_run_inline_with_their_calls_written_out(tmp_path):
     assert "cluster = script.Cluster(world_size).start()" in text
     assert 'if __name__ == "__main__":\n' in text                      # a worker process runs none of it
     assert "        x = torch.ones(2) * fsdplab.ranks.rank()" in text
+    # the parameter world_size stays an int: the rank names are not imported into the script's one namespace
+    assert "        import fsdplab.ranks; from fsdplab.ranks import first_ranks   # used" in text
     assert "        fsdplab.ranks.print0(fsdplab.ranks.world_size())" in text
     assert "if fsdplab.rank() in (1,):" in text and "            y = 1" in text
     assert "script.shell(f'echo {world_size}')" in text
@@ -141,13 +147,17 @@ def test_the_script_cluster_plays_the_notebook_cluster(tmp_path):
     assert not left, f"the script left temporary folders behind: {left}"
 
 
-def _notebook_records(stem, executed_lessons, tmp_path):
+def _executed(stem, executed_lessons, tmp_path):
     executed = executed_lessons / f"{stem}.ipynb"
     if not executed.exists():
         [(lesson, status, _, detail)] = run_lessons(lesson_paths([stem]), out_dir=tmp_path / "nb", progress=False)
         assert status == "ok", f"{lesson} failed at {detail}"
         executed = tmp_path / "nb" / f"{stem}.ipynb"
-    return records.read(executed)
+    return executed
+
+
+def _notebook_records(stem, executed_lessons, tmp_path):
+    return records.read(_executed(stem, executed_lessons, tmp_path))
 
 
 @pytest.mark.notebook
@@ -181,3 +191,65 @@ def test_sbatch_runs_one_torchrun_per_node(tmp_path, capsys):
     assert main(["export", "02", "--out", str(tmp_path / "c.py"), "--sbatch", "0"]) == 2
     assert main(["export", "02", "--out", str(tmp_path / "d.py"), "--sbatch", "1", "--cpu"]) == 0
     assert "gpus-per-node" not in (tmp_path / "d.sbatch").read_text()
+
+
+# --- pasted by hand: the parameters cell and the %%ranks cells, nothing else ----------------------------------
+# 05 restarts its ranks and changes their number, 11 is about the script itself (neither exports, see above);
+# the other lessons' rank code runs in functions passed to cluster.run, which only the export carries.
+PASTED = ["00_start_here", "09_training_loop", "10_debugging", "12_lora_qlora", "13_compile_fsdp2"]
+
+
+def pasted_script(path) -> str:
+    """What a learner pastes into one file: the parameters cell, then every %%ranks cell's body in order, and what
+    no cell has and every torchrun script does (lesson 11): joining the group first, leaving it last (a rank
+    that exits while its peer still holds the group can abort gloo)."""
+    cells = nbformat.read(path, as_version=4).cells
+    parts = [c.source for c in cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", [])]
+    parts += [c.source.split("\n", 1)[1] for c in cells if c.cell_type == "code" and c.source.startswith("%%ranks")]
+    return ('import torch.distributed as dist\ndist.init_process_group("gloo")\n\n' + "\n\n".join(parts)
+            + "\n\ndist.barrier()\ndist.destroy_process_group()\n")
+
+
+def _shown(lines) -> list:
+    """Printed lines with paths (a run's folders differ) written as <path>."""
+    return [re.sub(r"/[^\s;,']+", "<path>", line) for line in lines]
+
+
+def _rank_0_lines(text: str) -> list:
+    """The lines a %%ranks cell's output shows for rank 0: "[rank 0] x", or "[ranks 0-1] x" when ranks agree."""
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"\[ranks? ([\d,\- ]+)\] (.*)$", line)
+        if m and any(part.strip().split("-")[0] == "0" for part in m.group(1).split(",")):
+            found.append(m.group(2))
+    return found
+
+
+NUMBER = r"-?\d[\d,]*\.?\d*(?:e[+-]?\d+)?"
+
+
+def _same_line(a: str, b: str, rel: float = 0.01) -> bool:
+    """The same words, and numbers within `rel` of each other (09's init peak differs by 8 B of 1 MB, see its
+    record's tolerance)."""
+    if re.sub(NUMBER, "#", a) != re.sub(NUMBER, "#", b):
+        return False
+    pairs = zip(re.findall(NUMBER, a), re.findall(NUMBER, b))
+    return all(math.isclose(float(x.replace(",", "")), float(y.replace(",", "")), rel_tol=rel) for x, y in pairs)
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("stem", PASTED)
+def test_ranks_cells_pasted_into_a_script_print_the_notebooks_numbers(stem, tmp_path, executed_lessons):
+    path = lesson_paths([stem])[0]
+    script = tmp_path / f"{stem}.py"
+    script.write_text(pasted_script(path))
+    proc, _ = _torchrun(script, 2, tmp_path, options=["--log-dir", str(tmp_path / "logs"), "--redirects", "3"])
+    [rank_0_log] = (tmp_path / "logs").glob("*/attempt_0/0/stdout.log")
+    assert proc.returncode == 0, rank_0_log.read_text()[-2000:] + proc.stderr[-3000:]
+    from_script = _shown(rank_0_log.read_text().splitlines())
+    cells = nbformat.read(_executed(stem, executed_lessons, tmp_path), as_version=4).cells
+    from_notebook = _shown(line for c in cells if c.source.startswith("%%ranks") for out in c.outputs
+                           if out.get("name") == "stdout" for line in _rank_0_lines(out["text"]))
+    assert len(from_script) == len(from_notebook), (from_script, from_notebook)
+    differ = [(a, b) for a, b in zip(from_script, from_notebook) if not _same_line(a, b)]
+    assert not differ, f"the script printed otherwise than the notebook (script, notebook): {differ}"
