@@ -148,6 +148,22 @@ def this_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def defined(name: str):
+    """The object named `name` in this rank's namespace: what a %%ranks cell defined there (a notebook rank), or
+    the top level of a script (torchrun). A checker run by `cluster.run` reads the learner's code so."""
+    import sys
+
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        get_ipython = lambda: None   # noqa: E731 - a script without IPython installed
+    shell = get_ipython()
+    namespace = shell.user_ns if shell is not None else sys.modules["__main__"].__dict__
+    if name not in namespace:
+        raise NameError(f"{name!r} is not defined on this rank: run the %%ranks cell that defines it first")
+    return namespace[name]
+
+
 def print0(*args, **kwargs) -> None:
     """print() on rank 0 only (every rank may call it)."""
     if rank() == 0:

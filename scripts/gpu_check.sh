@@ -20,10 +20,10 @@
 #                            torch / CUDA / NCCL, each GPU's capability and memory
 #   01_doctor                python -m fsdplab doctor (its exit code recorded)       5-15       5-15
 #   -- phase 2, lanes side by side (one lane where a GPU is EXCLUSIVE_PROCESS) --
-#   02_lessons_ws1           all 14 lessons at --world-size 1 on GPU 0             200-260    200-260
+#   02_lessons_ws1           all 16 lessons at --world-size 1 on GPU 0             220-290    220-290
 #                            (2026-12-04: 00-08 took 144 s while 6 of them stopped early; 09+10 27 s;
 #                            11-13 estimated from CPU runs: 12's estimates run on the CPU, about 20 s)
-#   03_lessons_ws2_nccl      all 14 at --world-size 2 on nccl (2+ GPUs)                -      220-290
+#   03_lessons_ws2_nccl      all 16 at --world-size 2 on nccl (2+ GPUs)                -      240-320
 #   03b_lessons_ws4_nccl     04 and 07 at 4 ranks on nccl (4+ GPUs)                    -       40-60
 #   04_gpu_tests             tests/gpu env, cluster, fsdp1, offload (not the 1B)      75-90      85-100
 #                            (2026-12-04: 3.2 + 14.2 + 24.3 + 28.6 s of pytest, ~4 s start each)

@@ -72,13 +72,13 @@ def plan(facts: dict, out: Path, python: str = sys.executable) -> list:
                   explain={r"invalid choice: 'doctor'": "this checkout has no `fsdplab doctor` command "
                                                         "(fsdplab/runner/doctor.py): nothing was checked by it"})
     # Lane 1: every lesson at world size 1 on the first GPU (their one-GPU branches).
-    ws1 = [lessons("02_lessons_ws1", 1, ids[:1], 300)]
+    ws1 = [lessons("02_lessons_ws1", 1, ids[:1], 330)]
     # Lane 2 (2+ GPUs): every lesson at world size 2 on nccl, on GPUs the first lane does not use where there are
     # enough; with 4+, lessons 04 and 07 at their own 4 ranks.
     multi = []
     if ngpu >= 2:
         pair = ids[1:3] if ngpu >= 3 else ids[:2]
-        multi.append(lessons("03_lessons_ws2_nccl", 2, pair, 300))
+        multi.append(lessons("03_lessons_ws2_nccl", 2, pair, 330))
         if ngpu >= 4:
             multi.append(lessons("03b_lessons_ws4_nccl", 4, ids[:4], 90, "04", "07"))
     # Lane 3: tests/gpu (one pytest process per file; the lessons and the estimator have steps of their own), then

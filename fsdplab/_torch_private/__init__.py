@@ -11,7 +11,8 @@
   tells forward from backward (the autograd engine's graph task id) and names process groups
   (`_resolve_process_group`); the timeline aligns ranks on the profiler's trace start (kineto results).
 - Activation checkpointing uses torch's `checkpoint_wrapper` (torch.distributed.algorithms._checkpoint).
-- Lesson 05 reads FSDP1's default state-dict type from its source (`_init_utils._init_state_dict_state`).
+- Lesson 05 reads FSDP1's default state-dict type from its source (`_init_utils._init_state_dict_state`);
+  lesson 14 prints DDP's cap on its first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`).
 
 None of these are public APIs. `check_private_apis()` (tests/unit/test_layout.py, tests/unit/test_torch_private.py;
 CI runs them under torch 2.13 and 2.11) fails loudly, naming what changed, when a torch upgrade moves one;
@@ -125,7 +126,7 @@ def check_private_apis() -> None:
     except ImportError as e:
         problems.append(f"torch.distributed._tools mem trackers: {e}")
     for shim in (fsdp_param_group, checkpoint_wrapper_fn, graph_task_id, fsdp1_default_state_dict_type,
-                 torch_dispatch_mode, replicate_fn):
+                 torch_dispatch_mode, replicate_fn, ddp_first_bucket_bytes):
         try:
             shim()
         except PrivateAPIError as e:
@@ -240,6 +241,17 @@ def profiler_trace_start_ns(prof) -> int:
         return prof.profiler.kineto_results.trace_start_ns()
     except AttributeError as e:
         raise _missing("torch.profiler.profile().profiler.kineto_results.trace_start_ns", e) from None
+
+
+def ddp_first_bucket_bytes() -> int:
+    """DistributedDataParallel's cap on its first gradient bucket, whatever `bucket_cap_mb` says (lesson 14
+    prints it: it decides how many all-reduces torch's DDP launches at its first step)."""
+    import torch.distributed as dist
+
+    value = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None)
+    if not isinstance(value, int):
+        raise _missing("torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", "gone or not an int")
+    return value
 
 
 def graph_task_id() -> int:

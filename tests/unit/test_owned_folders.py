@@ -197,3 +197,27 @@ def test_a_checkpoint_listing_leaves_out_the_lab_s_mark(tmp_path):
     folder = owned.make_owned(tmp_path / "ckpt")
     (folder / "latest").write_text("step-1")
     assert checkpoint_files(folder) == [("latest", 6)]
+
+
+def test_shared_lesson_folder_without_a_group_is_lesson_folder(tmp_path, monkeypatch):
+    # Rank code calls it; outside a process group (a plain script, this test) it is lesson_folder itself. Under a
+    # group, rank 0 makes the folder and every rank gets its path: tests/lessons/test_script_export.py (09 pasted).
+    monkeypatch.setenv("FSDPLAB_OUT", str(tmp_path))
+    folder, keep = owned.shared_lesson_folder("", "09_training_loop")
+    assert folder == tmp_path / "09_training_loop" and keep and folder.is_dir()
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="pretrained_dir"):
+        owned.shared_lesson_folder(str(tmp_path / "theirs"), "09_training_loop", what="pretrained_dir")
+    assert (tmp_path / "theirs" / "notes.txt").read_text() == "mine"
+
+
+def test_defined_reads_a_scripts_top_level_and_names_a_missing_cell(monkeypatch):
+    import sys
+
+    from fsdplab.ranks import defined
+
+    monkeypatch.setattr(sys.modules["__main__"], "my_ring", "the learner's", raising=False)
+    assert defined("my_ring") == "the learner's"
+    with pytest.raises(NameError, match="'not_written' is not defined on this rank: run the %%ranks cell"):
+        defined("not_written")
