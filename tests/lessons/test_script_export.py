@@ -195,8 +195,8 @@ def test_sbatch_runs_one_torchrun_per_node(tmp_path, capsys):
 
 # --- pasted by hand: the parameters cell and the %%ranks cells, nothing else ----------------------------------
 # 05 restarts its ranks and changes their number, 11 is about the script itself (neither exports, see above);
-# the other lessons' rank code runs in functions passed to cluster.run, which only the export carries.
-PASTED = ["00_start_here", "09_training_loop", "10_debugging", "12_lora_qlora", "13_compile_fsdp2"]
+# 01, 03, 04, 06, 07 and 08 pass functions to cluster.run, which only the export carries.
+PASTED = ["00_start_here", "02_prefetch", "09_training_loop", "10_debugging", "12_lora_qlora", "13_compile_fsdp2"]
 
 
 def pasted_script(path) -> str:
