@@ -142,21 +142,27 @@ def test_c10d_rendezvous_by_hostname(nodes, one_machine, tmp_path):
     print(f"c10d rendezvous, 2 nodes: {seconds:.1f} s")
 
 
-def test_lesson_07_across_real_nodes_through_slurm(nodes, tmp_path):
+@pytest.fixture(scope="module")
+def slurm_conf(nodes):
+    """One real Slurm cluster on the two nodes for this file's Slurm tests (its start takes most of a minute)."""
+    from slurm_nodes import slurm_nodes
+
+    with slurm_nodes(nodes) as conf:
+        yield conf
+
+
+def test_lesson_07_across_real_nodes_through_slurm(nodes, slurm_conf, tmp_path):
     """Lesson 07's section 5 for real: papermill in node-a (a login node), 2 Slurm nodes x 1 rank; the bytes
     node-a's and node-b's interfaces carried against the count and the cost model."""
     import json
 
-    from slurm_nodes import slurm_nodes
-
-    with slurm_nodes(nodes) as conf:
-        env = {**_env(), "SLURM_CONF": str(conf), "FSDPLAB_FIGURES": str(tmp_path / "figures")}
-        cmd = [sys.executable, "-m", "fsdplab", "run", "07", "--world-size", "1", "--no-progress",
-               "-p", "nodes_launcher", "slurm", "-p", "slurm_conf", str(conf), "--out", str(tmp_path)]
-        start = time.perf_counter()
-        proc = subprocess.run(nodes.cmd("node-a", cmd), capture_output=True, text=True, env=env, timeout=400,
-                              cwd=ROOT)
-        seconds = time.perf_counter() - start
+    env = {**_env(), "SLURM_CONF": str(slurm_conf), "FSDPLAB_FIGURES": str(tmp_path / "figures")}
+    cmd = [sys.executable, "-m", "fsdplab", "run", "07", "--world-size", "1", "--no-progress",
+           "-p", "nodes_launcher", "slurm", "-p", "slurm_conf", str(slurm_conf), "--out", str(tmp_path)]
+    start = time.perf_counter()
+    proc = subprocess.run(nodes.cmd("node-a", cmd), capture_output=True, text=True, env=env, timeout=400,
+                          cwd=ROOT)
+    seconds = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     executed = json.loads(next(tmp_path.glob("**/07_scaling_out*.ipynb")).read_text())
     text = "".join(o.get("text", "") if isinstance(o.get("text", ""), str) else "".join(o["text"])
@@ -179,3 +185,32 @@ def test_lesson_07_across_real_nodes_through_slurm(nodes, tmp_path):
     print(f"lesson 07 across 2 Slurm nodes: {seconds:.1f} s; bytes per step across the nodes: "
           + "; ".join(f"{k} wire {v['wire']:,.0f} counted {v['counted']:,.0f} model {v['model']:,.0f} "
                       f"as run {v['as_run']:,.0f}" for k, v in rows.items()))
+
+
+def test_an_exported_lesson_runs_as_a_slurm_batch_job_on_both_nodes(nodes, slurm_conf, tmp_path):
+    """`fsdplab export 14 --sbatch 2 --ranks-per-node 1 --cpu`, submitted with sbatch on node-a: one torchrun per
+    node through srun, c10d rendezvous at the job's first node. Rank 0's records show that both ranks took part
+    (the ring's bytes sent by each) and the lesson's checks passed."""
+    import json
+
+    from fsdplab.runner.cli import main
+
+    script = tmp_path / "lesson14.py"
+    assert main(["export", "14", "--out", str(script), "--sbatch", "2", "--ranks-per-node", "1", "--cpu"]) == 0
+    records = tmp_path / "records.jsonl"
+    env = {**_env(), "SLURM_CONF": str(slurm_conf), "FSDPLAB_RECORDS": str(records),
+           "FSDPLAB_FIGURES": str(tmp_path / "figures"),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}   # the job's python
+    start = time.perf_counter()
+    proc = subprocess.run(nodes.cmd("node-a", ["sbatch", "--wait", "--chdir", str(tmp_path),
+                                               str(tmp_path / "lesson14.sbatch")]),
+                          capture_output=True, text=True, env=env, timeout=400)
+    seconds = time.perf_counter() - start
+    logs = "".join(p.read_text() for p in tmp_path.glob("lesson14-*.log"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs[-4000:]
+    found = {r["name"]: r for r in map(json.loads, records.read_text().splitlines())}
+    tensor_bytes = 4 * 2**18                              # the lesson's ring_numel fp32 elements
+    assert found["14-ring-sent"]["value"] == [tensor_bytes, tensor_bytes]     # 2(N-1)/N at N = 2, on each rank
+    failed = [name for name, r in found.items() if "ok" in r and not r["ok"]]
+    assert not failed and found["14-ddp-rule"]["ok"], failed
+    print(f"lesson 14 as a Slurm batch job on 2 nodes: {seconds:.1f} s, {len(found)} records")
