@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from .. import RankDied, RankError, RankHang
-from .checkers import exercise
+from .checkers import exercise, ranks_not_ready
 
 # The backend the lesson compiles with on CPU ranks. aot_eager traces forward and backward through AOTAutograd,
 # as inductor does, and then runs the graphs with eager kernels: the graphs, breaks and the FSDP interplay are
@@ -257,23 +257,6 @@ def _sharded(model, compile_backend=None):
     return model
 
 
-def _own_class(cls):
-    """`cls` with every zero-argument `super()` in its methods naming `cls` itself. A class the notebook passes to
-    `cluster.run` arrives on the ranks rebuilt (ipyparallel's canning makes a new class from the old one's
-    dict), and its methods' `__class__` cells still hold the class as it was unpickled: `super().forward(x)`
-    then raises "super(type, obj): obj must be an instance or subtype of type", in eager mode and under dynamo."""
-    for value in vars(cls).values():
-        fn = getattr(value, "__func__", value)
-        code = getattr(fn, "__code__", None)
-        if code is None or "__class__" not in code.co_freevars or not fn.__closure__:
-            continue
-        cell = fn.__closure__[code.co_freevars.index("__class__")]
-        held = cell.cell_contents
-        if held is not cls and getattr(held, "__qualname__", None) == cls.__qualname__:
-            cell.cell_contents = cls
-    return cls
-
-
 def try_block(block_class, *, dim: int = 64, num_layers: int = 2, seq_len: int = 32, batch_size: int = 4,
               backend: str = CPU_BACKEND) -> dict:
     """On a rank: the learner's block class against the planted one. Builds both tiny models (same weights),
@@ -289,7 +272,7 @@ def try_block(block_class, *, dim: int = 64, num_layers: int = 2, seq_len: int =
 
     cfg = TinyConfig(dim=dim, num_layers=num_layers, seq_len=seq_len)
     tokens, targets = random_batch(cfg, batch_size=batch_size, seed=BATCH_SEED + rank())
-    planted, block_class = _guarded_block_class(), _own_class(block_class)
+    planted = _guarded_block_class()
     try:
         probe = _tiny_with(block_class, cfg)
     except Exception as err:
@@ -370,10 +353,9 @@ def _graph_break(answer, *, cluster, backend: str | None = None, tolerance: floa
     if not inspect.isclass(answer):
         return False, ("expected your block class (class GuardedBlock(Block): ... with its forward), not an instance "
                        "or a function.")
-    if not cluster.running:
-        return False, "the lesson's cluster is stopped: start it again (cluster.start()) and check again."
-    if cluster.broken:
-        cluster.restart()
+    why = ranks_not_ready(cluster)
+    if why:
+        return False, why
     backend = backend or pick_backend("cuda" if cluster.backend == "nccl" else "cpu")
     tolerance = tolerance if tolerance is not None else 1e-5 if backend.startswith("aot_eager") else 1e-3
     try:
