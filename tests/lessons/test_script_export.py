@@ -211,8 +211,12 @@ def pasted_script(path) -> str:
 
 
 def _shown(lines) -> list:
-    """Printed lines with paths (a run's folders differ) written as <path>."""
-    return [re.sub(r"/[^\s;,']+", "<path>", line) for line in lines]
+    """Printed lines with paths (a run's folders differ) written as <path>, and the items of a printed set in
+    order (a set of dtypes prints in another order in another process: "{torch.float32, torch.bfloat16}")."""
+    def in_order(m):
+        return "{" + ", ".join(sorted(item.strip() for item in m.group(1).split(","))) + "}"
+
+    return [re.sub(r"\{([^{}:]+)\}", in_order, re.sub(r"/[^\s;,']+", "<path>", line)) for line in lines]
 
 
 def _rank_0_lines(text: str) -> list:
