@@ -5,7 +5,6 @@ that run the learner's code, named in the ranks' namespace, next to torch's impl
 from __future__ import annotations
 
 import contextlib
-import dis
 import math
 
 import torch
@@ -19,7 +18,7 @@ from ..models import TinyConfig, random_batch
 from ..network import ring_sent_bytes
 from ..ranks import defined
 from ..sharding import build_tiny, loss_of
-from .checkers import exercise, first_line, ranks_not_ready
+from .checkers import exercise, first_line, is_stub, ranks_not_ready
 
 DATA_SEED, MODEL_SEED = 100, 0     # the checkers' seeds: rank r's tensor or batch (DATA_SEED + r...), the weights
 LR, STEPS = 1e-2, 3                # AdamW steps the checkers compare; lr large enough that a wrong update shows
@@ -51,20 +50,11 @@ def _resolve(answer):
     return defined(answer) if isinstance(answer, str) else answer
 
 
-def _is_stub(fn) -> bool:
-    """A function whose body is only a docstring and `...` (what the notebook's skeletons hold)."""
-    def stub():
-        ...
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    return code is not None and ([(i.opname, i.argval) for i in dis.get_instructions(code)]
-                                 == [(i.opname, i.argval) for i in dis.get_instructions(stub)])
-
-
 def _learners(answer, stub_of, stub: str, run) -> dict:
     """On a rank: `run(the learner's object)`, or this rank's error, or `stub` while `stub_of(object)` is `...`."""
     try:
         obj = _resolve(answer)
-        return {"rank": dist.get_rank(), "stub": stub} if _is_stub(stub_of(obj)) else run(obj)
+        return {"rank": dist.get_rank(), "stub": stub} if is_stub(stub_of(obj)) else run(obj)
     except Exception as err:  # noqa: BLE001 - the learner's error is the answer to show
         return {"error": first_line(err), "rank": dist.get_rank()}
 

@@ -100,6 +100,17 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
+def is_stub(fn) -> bool:
+    """A function whose body is only a docstring and `...`: a code exercise's skeleton, not yet written."""
+    import dis
+
+    def stub():
+        ...
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return code is not None and ([(i.opname, i.argval) for i in dis.get_instructions(code)]
+                                 == [(i.opname, i.argval) for i in dis.get_instructions(stub)])
+
+
 def ranks_not_ready(cluster, stopped_when: str = "at its end") -> str | None:
     """Why a code exercise's checker cannot run the learner's code on the lesson's ranks now, and what to do;
     None when it can. `stopped_when` says where the lesson stops its cluster ("after section 3")."""

@@ -178,8 +178,10 @@ def test_the_notebooks_stubs_say_not_yet(cluster):
     def stub(*args):
         ...
 
-    _not_yet(check("15-my-fsdp", lesson.Hooks(stub, stub, stub, stub), cluster=cluster),
-             "your code raised on 2 rank(s)", "after pre_forward", "parameters were not gathered")
+    _not_yet(check("15-my-fsdp", lesson.Hooks(stub, stub, stub, stub), cluster=cluster), "no FSDP yet")
+    ref = lesson.REFERENCE                     # one hook written, three still `...`: run, and told what is wrong
+    _not_yet(check("15-my-fsdp", lesson.Hooks(ref.pre_forward, stub, stub, stub), cluster=cluster),
+             "hold no gradient")
     _not_yet(check("15-shard-gather", (stub, stub), cluster=cluster), "returned NoneType")
     _not_yet(check("15-my-fsdp", "no_hooks_here", cluster=cluster), "is not defined on this rank")
     _not_yet(check("15-compute-bound", stub), "returned NoneType")
