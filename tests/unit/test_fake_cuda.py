@@ -202,3 +202,22 @@ def test_lesson_12_rank_code():
         assert "loss" in out, out
         assert "loss" in lesson.qlora_loss(config, torch.bfloat16, 300.0, 4, 2, 16)
     """, timeout=120)
+
+
+def test_lesson_15_rank_code():
+    """Lesson 15: shard and gather a parameter on the rank's device, the four reference hooks around a model built
+    there (one forward: gathered, then freed), and section 1's checker run with the reference."""
+    run_as_cuda("""
+        from fsdplab.lessons import build_fsdp as lesson
+        from fsdplab.models import blocks_of, random_batch
+        full = torch.arange(15.0, device=fsdplab.device()).view(5, 3)
+        piece = lesson.shard(full)
+        assert piece.device.type == "cuda" and lesson.gather(piece, full.shape).device.type == "cuda"
+        cfg = models.TinyConfig(dim=32, num_layers=2, seq_len=16)
+        model = sharding.build_tiny(cfg, seed=0, device=fsdplab.device())
+        lesson.apply_my_fsdp(model, blocks_of(model), lesson.REFERENCE)
+        tokens, targets = random_batch(cfg, batch_size=2, seed=0, device=fsdplab.device())
+        assert model(tokens).device.type == "cuda"
+        out = lesson.try_shard_gather((lesson.shard, lesson.gather))
+        assert not out["problems"], out
+    """, timeout=120)
