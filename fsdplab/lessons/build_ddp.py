@@ -16,7 +16,7 @@ from .. import RankDied, RankError, RankHang
 from .._torch_private import ddp_first_bucket_bytes, torch_dispatch_mode  # noqa: F401 (the notebook reads the first)
 from ..models import TinyConfig, random_batch
 from ..network import ring_sent_bytes
-from ..ranks import defined
+from ..ranks import defined, device
 from ..sharding import build_tiny, loss_of
 from .checkers import exercise, first_line, is_stub, ranks_not_ready
 
@@ -107,7 +107,7 @@ def reference_ring(tensor: torch.Tensor) -> torch.Tensor:
 def measure_ring(fn) -> dict:
     """On a rank: `fn` and `reference_ring` on this rank's tensor, next to `dist.all_reduce`: bytes, wrong chunks."""
     n, r = dist.get_world_size(), dist.get_rank()
-    x = torch.randn(1024 * n, generator=torch.Generator().manual_seed(DATA_SEED + r))
+    x = torch.randn(1024 * n, generator=torch.Generator().manual_seed(DATA_SEED + r)).to(device())
     expected, mine, ref, wire = x.clone(), x.clone(), x.clone(), Wire()
     dist.all_reduce(expected)
     with wire:
@@ -266,12 +266,12 @@ def ddp_config(dim: int = 32, num_layers: int = 2):
 
 
 def _batch(cfg, step: int):
-    return random_batch(cfg, batch_size=2, seed=DATA_SEED + 10 * dist.get_rank() + step)
+    return random_batch(cfg, batch_size=2, seed=DATA_SEED + 10 * dist.get_rank() + step, device=device())
 
 
 def _ddp_run(make, cfg) -> dict:
     """`make(model)` through a traced step, STEPS AdamW steps, then a micro-batch in no_sync() and a synced one."""
-    model = build_tiny(cfg, seed=MODEL_SEED + dist.get_rank())         # each rank its own weights at first
+    model = build_tiny(cfg, seed=MODEL_SEED + dist.get_rank(), device=device())   # each rank its own weights
     ddp = make(model)
     grads = lambda: [p.grad.detach().clone() for p in model.parameters()]    # noqa: E731
     out = {"start": [p.detach().clone() for p in model.parameters()]}
@@ -380,7 +380,7 @@ def inner_optimizers(obj) -> list:
 
 def train_steps(make_opt, cfg, wrap=None, steps: int = STEPS) -> tuple:
     """`steps` steps of the tiny model (`wrap`ped when given): (optimizer, parameters after, how many never changed)."""
-    model = build_tiny(cfg, seed=MODEL_SEED)
+    model = build_tiny(cfg, seed=MODEL_SEED, device=device())
     start = [p.detach().clone() for p in model.parameters()]
     runner, opt = wrap(model) if wrap else model, make_opt(list(model.parameters()))
     for step in range(steps):

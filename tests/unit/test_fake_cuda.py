@@ -221,3 +221,22 @@ def test_lesson_15_rank_code():
         out = lesson.try_shard_gather((lesson.shard, lesson.gather))
         assert not out["problems"], out
     """, timeout=120)
+
+
+def test_lesson_14_rank_code():
+    """Lesson 14: the reference ring on a tensor of the rank's device, the tiny model built there and wrapped by
+    the reference DDP and the reference ZeRO-1, one forward each (the harness runs no backward; torch's own DDP
+    reads its parameters' data when built, which fake tensors do not have)."""
+    run_as_cuda("""
+        import torch.distributed as dist
+        from fsdplab.lessons import build_ddp as lesson
+        from fsdplab.models import random_batch
+        x = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(fsdplab.device())
+        assert lesson.reference_ring(x).device.type == "cuda"
+        cfg = lesson.ddp_config()
+        batch = random_batch(cfg, batch_size=2, seed=0, device=fsdplab.device())
+        model = sharding.build_tiny(cfg, seed=0, device=fsdplab.device())
+        assert sharding.loss_of(lesson.ReferenceDDP(model, 16384), batch).device.type == "cuda"
+        zero = lesson.ReferenceZeRO1(list(model.parameters()), torch.optim.AdamW, lr=1e-2)
+        assert sharding.loss_of(model, batch).device.type == "cuda"
+    """, timeout=120)
