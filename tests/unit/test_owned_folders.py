@@ -215,8 +215,11 @@ def test_shared_lesson_folder_without_a_group_is_lesson_folder(tmp_path, monkeyp
 def test_defined_reads_a_scripts_top_level_and_names_a_missing_cell(monkeypatch):
     import sys
 
+    import IPython
+
     from fsdplab.ranks import defined
 
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)   # a script: no shell (an earlier test may start one)
     monkeypatch.setattr(sys.modules["__main__"], "my_ring", "the learner's", raising=False)
     assert defined("my_ring") == "the learner's"
     with pytest.raises(NameError, match="'not_written' is not defined on this rank: run the %%ranks cell"):
