@@ -371,8 +371,10 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
 
     from .memory.formula import formula
     from .models import MODELS
-    from .settings import EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS, STRATEGIES, TrainSetting
+    from .settings import STRATEGIES as ALL_STRATEGIES, EXACT_STRATEGIES, OPTIMIZERS, PRECISIONS, TrainSetting
 
+    # the posts' layouts; FSDP2's replicate() is DDP's layout again (fsdplab estimate --strategy replicate)
+    STRATEGIES = tuple(s for s in ALL_STRATEGIES if s != "replicate")
     wide = {"description_width": "initial"}    # a label as long as it needs, never cut to "LoRA r (0:..."
     slider = lambda stops, value, label: W.SelectionSlider(options=_with(stops, value), value=value,  # noqa: E731
                                                            description=label, style=wide)
@@ -431,7 +433,7 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     def run_exact(_button=None, wait=True):
         chosen = setting_of(dash.values)
         if chosen.strategy not in EXACT_STRATEGIES:
-            dash.say(f"exact estimates cover FSDP2 ({', '.join(EXACT_STRATEGIES)}), not {chosen.strategy}.")
+            dash.say(f"exact estimates cover {', '.join(EXACT_STRATEGIES)}, not {chosen.strategy} (DeepSpeed's).")
             return None
 
         def done(report):

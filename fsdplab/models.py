@@ -149,7 +149,12 @@ def hf_config(name: str):
 
 
 def config_of(model):
-    """A transformers config for a registered name, or `model` itself when it already is a config."""
+    """A transformers config for a registered name, or `model` itself when it already is a config; a custom
+    model (fsdplab.custom) as its CustomModel."""
+    if isinstance(model, str) and ":" in model:
+        from .custom import load
+
+        return load(model)
     return hf_config(model) if isinstance(model, str) else model
 
 
@@ -222,12 +227,18 @@ def blocks_of(model: nn.Module) -> list:
 def resolve_model(text: str):
     """What `--model TEXT` names: a registered name (returned as is), or the transformers config of a local
     config.json, a model folder, or a Hub id ("org/name": the local Hugging Face cache first, offline, then
-    the Hub). Every other case raises ValueError with the fix."""
+    the Hub), or a model of your own as "package.module:function" (fsdplab.custom; returned as is once it
+    loads). Every other case raises ValueError with the fix."""
     from pathlib import Path
 
     if text in MODELS:
         return text
     path = Path(text).expanduser()
+    if ":" in text and not path.exists():
+        from .custom import load
+
+        load(text)
+        return text
     if path.exists():
         return _config_from_path(path, text)
     if text.endswith(".json") or text.startswith((".", "/", "~")) or text.count("/") > 1:

@@ -16,11 +16,13 @@ GIB = 1024 ** 3   # memory is counted in binary units: GiB is what nvidia-smi an
 MIB = 1024 ** 2
 
 # Every data-parallel layout the lab talks about. The formula models all of them; live ranks run the ones in
-# RUNNABLE (ZeRO-1/2 are DeepSpeed's, modelled only); the exact estimator runs the ones in EXACT.
-STRATEGIES = ("ddp", "zero1", "zero2", "shard_grad_op", "full_shard", "hybrid_shard")
-RUNNABLE_STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "hybrid_shard")
+# RUNNABLE (ZeRO-1/2 are DeepSpeed's, modelled only); the exact estimator runs the ones in EXACT. ddp is torch's
+# DistributedDataParallel; replicate is FSDP2's replicate(), DDP's layout on FSDP2's machinery, which holds each
+# unit's unsharded copy while it computes.
+STRATEGIES = ("ddp", "replicate", "zero1", "zero2", "shard_grad_op", "full_shard", "hybrid_shard")
+RUNNABLE_STRATEGIES = ("ddp", "replicate", "shard_grad_op", "full_shard", "hybrid_shard")
 FSDP_STRATEGIES = ("shard_grad_op", "full_shard", "hybrid_shard")
-EXACT_STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "hybrid_shard")
+EXACT_STRATEGIES = ("ddp", "replicate", "shard_grad_op", "full_shard", "hybrid_shard")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # How the base model's weights are stored: a precision, or QLoRA's 4-bit NF4 (fsdplab.nf4) for the decoder
 # blocks' Linear weights, the rest in bf16.
@@ -160,6 +162,12 @@ class TrainSetting:
     # keys (wrong gradients with SDPA, a shape error with eager); transformers turns it off under its own
     # gradient checkpointing for this reason.
     use_cache: bool = False
+    # LoRA dropout on the adapters' input (peft's lora_dropout; 0.1 in many recipes): peft then keeps the dropped
+    # input of each adapted Linear for lora_A's backward, one more activation per adapted layer.
+    lora_dropout: float = 0.0
+    # Storage dtype of the LoRA adapters: fp32 (peft's default, the master copy) or 16-bit, as torchtune and LitGPT
+    # keep them; their gradients and Adam's m and v take the same dtype.
+    adapter_dtype: str = "fp32"
 
     def __post_init__(self):
         check_positive_int("world_size", self.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
@@ -188,6 +196,10 @@ class TrainSetting:
                                  f"(e.g. 60.2e6), got {self.model!r}.")
             if self.lora_rank is not None:
                 raise ValueError("lora_rank needs a transformer model (a name or a config), not a parameter count.")
+        elif isinstance(self.model, str) and ":" in self.model or type(self.model).__name__ == "CustomModel":
+            from .custom import check, custom_of
+
+            check(custom_of(self.model), self)
         elif isinstance(self.model, str):
             from .models import MODELS
 
@@ -197,8 +209,8 @@ class TrainSetting:
         elif not hasattr(self.model, "hidden_size"):
             from .models import MODELS
 
-            raise ValueError(f"model must be a name ({'/'.join(MODELS)}), a transformers config or a "
-                             f"parameter count; got {type(self.model).__name__}.")
+            raise ValueError(f"model must be a name ({'/'.join(MODELS)}), a transformers config, a parameter "
+                             f"count or a fsdplab.custom.CustomModel; got {type(self.model).__name__}.")
         else:
             from .models import check_config_sizes
 
@@ -232,6 +244,12 @@ class TrainSetting:
         if self.strategy == "hybrid_shard" and self.world_size % self.shards:
             raise ValueError(f"hybrid_shard needs world_size ({self.world_size}) to be a multiple of "
                              f"shard_group_size ({self.shards}).")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
+                or not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout is a probability in [0, 1) (e.g. 0.05), got {self.lora_dropout!r}.")
+        check_choice("adapter_dtype", self.adapter_dtype, PRECISIONS)
+        if self.lora_rank is None and (self.lora_dropout or self.adapter_dtype != "fp32"):
+            raise ValueError("lora_dropout and adapter_dtype describe LoRA adapters: set lora_rank (e.g. 16) too.")
 
     # -- derived values
     @property
@@ -306,7 +324,12 @@ def setting_payload(setting: TrainSetting) -> dict:
     """`setting` as JSON-ready values, a transformers config as its class and dict: what the estimate cache
     hashes and what an estimate subprocess receives (`setting_from_payload` turns it back)."""
     data = {name: getattr(setting, name) for name in setting.__dataclass_fields__}
-    if not isinstance(setting.model, (str, int, float)):
+    if type(setting.model).__name__ == "CustomModel":
+        if setting.model.spec is None:
+            raise ValueError("a CustomModel made in this process cannot go to another one: define the function "
+                             "that returns it in a module and pass 'package.module:function' as the model.")
+        data["model"] = setting.model.spec
+    elif not isinstance(setting.model, (str, int, float)):
         config = setting.model
         data["model"] = {"config_class": f"{type(config).__module__}.{type(config).__name__}",
                          "config": config.to_dict()}

@@ -17,6 +17,7 @@ from torch import nn
 
 from .ranks import this_rank
 from .models import blocks_of, causal_lm, config_of, dtype_kwarg
+from .custom import custom_of
 from .settings import OPTIMIZERS, RUNNABLE_STRATEGIES, TrainSetting, check_choice, torch_dtype
 
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -64,6 +65,13 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, targets
         # peft asks transformers' deprecated is_gradient_checkpointing: a FutureWarning nobody asked for
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, config)
+
+
+def adapters_to(model: nn.Module, dtype: str) -> None:
+    """Store `model`'s LoRA adapters in `dtype` (peft makes them fp32), as torchtune and LitGPT keep them."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (".lora_A." in f".{name}." or ".lora_B." in f".{name}."):
+            module.to(torch_dtype(dtype))
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks=None, *, every: int = 1, selective: bool = False) -> None:
@@ -133,8 +141,7 @@ def apply_replicate(model: nn.Module, mesh, *, precision: str = "fp32", reduce_p
                     per_block: bool = True, blocks=None) -> nn.Module:
     """DDP's layout on FSDP2's machinery (torch's FSDP2-based `replicate`): every rank keeps all parameters,
     gradients and optimizer state; each unit's gradients are all-reduced as its backward ends. Units as in
-    apply_fsdp, with the same mixed-precision policy. This is what the exact estimator runs for "ddp":
-    DistributedDataParallel's C++ Reducer cannot run on fake tensors."""
+    apply_fsdp, with the same mixed-precision policy (strategy "replicate"; "ddp" is torch's DDP)."""
     from ._torch_private import replicate_fn
 
     replicate = replicate_fn()
@@ -160,17 +167,22 @@ def data_parallel_mesh(setting, device_type: str = "cpu"):
     return init_device_mesh(device_type, (setting.world_size,))
 
 
-def apply_data_parallel(model: nn.Module, setting, mesh) -> nn.Module:
+def apply_data_parallel(model: nn.Module, setting, mesh, blocks=None) -> nn.Module:
     """`setting`'s strategy on `model` over `mesh` (from data_parallel_mesh): FSDP2 for full_shard,
-    shard_grad_op and hybrid_shard; FSDP2's replicate for ddp. The one place the estimator and the live
-    measurement choose how a TrainSetting is parallelised."""
+    shard_grad_op and hybrid_shard; FSDP2's replicate for replicate; torch's DistributedDataParallel for ddp
+    (which computes in 16 bits under torch.autocast: memory.ddp.autocast_loss). The one place the estimator
+    and the live measurement choose how a TrainSetting is parallelised. `blocks`: the units (default
+    blocks_of(model); [] makes the whole model one unit, as a custom model without blocks is)."""
+    per_block = setting.per_block and blocks != []
     if setting.strategy == "ddp":
-        return apply_replicate(model, mesh, precision=setting.precision, per_block=setting.per_block)
+        return apply_ddp(model, process_group=mesh.get_group())
+    if setting.strategy == "replicate":
+        return apply_replicate(model, mesh, precision=setting.precision, per_block=per_block, blocks=blocks)
     if setting.strategy not in ("full_shard", "shard_grad_op", "hybrid_shard"):
         raise ValueError(f"strategy {setting.strategy!r} has no FSDP2 implementation (ZeRO-1/2 are DeepSpeed's): "
-                         "use ddp, shard_grad_op, full_shard or hybrid_shard.")
+                         "use ddp, replicate, shard_grad_op, full_shard or hybrid_shard.")
     return apply_fsdp(model, mesh, reshard_after_forward=setting.reshard_after_forward, precision=setting.precision,
-                      per_block=setting.per_block, embed_head_units=setting.embed_head_units)
+                      per_block=per_block, blocks=blocks, embed_head_units=setting.embed_head_units)
 
 
 def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, **fsdp1_options) -> nn.Module:
@@ -230,6 +242,9 @@ def parallelize(model: nn.Module, strategy: str = "full_shard", *, mesh=None, de
         from .ranks import mesh as current_mesh
 
         mesh = current_mesh()
+    if strategy == "replicate":
+        return apply_replicate(model, mesh, precision=precision, reduce_precision=reduce_precision,
+                               per_block=per_block, blocks=blocks)
     if strategy == "hybrid_shard" and mesh.ndim != 2:
         raise ValueError("hybrid_shard needs a 2-D mesh (replicate, shard), e.g. "
                          "init_device_mesh(device, (nodes, gpus_per_node)).")
@@ -238,7 +253,7 @@ def parallelize(model: nn.Module, strategy: str = "full_shard", *, mesh=None, de
 
 
 def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=None, seed=None,
-                lora_dropout: float = 0.0, trust_remote_code: bool = False) -> nn.Module:
+                lora_dropout: float | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The transformers causal LM of `setting.model` with its LoRA adapters and per-block activation
     checkpointing, unsharded (on the meta device by default: shapes, no memory).
 
@@ -247,6 +262,9 @@ def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=
     without it every parameter trains. dtype: storage dtype of the base ('fp32', 'bf16', 'fp16', a torch dtype,
     or 'nf4': QLoRA's 4-bit blocks, `fsdplab.nf4`; None is fp32); the adapters stay fp32 either way.
     """
+    custom = custom_of(setting.model)
+    if custom is not None:
+        return _build_custom(custom, setting, device, dtype, seed)
     quantize = dtype == "nf4"
     if quantize:
         dtype = "bf16"                  # the embedding, the head and the norms; the blocks' Linears go 4-bit
@@ -273,8 +291,27 @@ def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=
         apply_nf4(model, shards=setting.shards)
     if setting.lora_rank is not None:
         model = apply_lora(model, setting.lora_rank, alpha=setting.lora_alpha, targets=setting.lora_targets,
-                           dropout=lora_dropout, device=device)
+                           dropout=setting.lora_dropout if lora_dropout is None else lora_dropout, device=device)
+        if setting.adapter_dtype != "fp32":
+            adapters_to(model, setting.adapter_dtype)
     checkpoint_setting(model, setting.activation_checkpointing)
+    return model
+
+
+def _build_custom(custom, setting: TrainSetting, device, dtype, seed) -> nn.Module:
+    """A model of your own (fsdplab.custom) as build_model makes a transformers one: built on `device`, its base
+    in `dtype`, its blocks checkpointed as the setting asks."""
+    from .custom import check
+
+    check(custom, setting)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        model = custom.build()
+    if dtype is not None and dtype != "fp32":
+        model.to(torch_dtype(dtype) if isinstance(dtype, str) else dtype)
+    if setting.activation_checkpointing:
+        checkpoint_setting(model, setting.activation_checkpointing, custom.blocks(model))
     return model
 
 

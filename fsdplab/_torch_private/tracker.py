@@ -66,6 +66,14 @@ def _all_fake(args, fake_type) -> bool:
     return True
 
 
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HANDLE = _NoHandle()
+
+
 class _PeakTracker:
     """Mixed in before torch's MemTracker / FSDPMemTracker: keeps the global peak, each category's own
     maximum, and the peak of what stays on the device when sharded parameters, gradients and optimizer
@@ -88,6 +96,16 @@ class _PeakTracker:
     # Label each allocation of the log with its phase and module (a memory snapshot's frames): off by default,
     # it costs a tenth of an estimate.
     label_allocations = False
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # torch's MemTracker (a model that is not FSDP2, such as DDP's) registers a gradient hook on every
+        # parameter, which raises on a frozen one (a LoRA base): mark those as hooked already.
+        handles = getattr(self, "_param_to_grad_hook_handles", None)
+        if install_grad_hooks and handles is not None:
+            for p in module.parameters():
+                if not p.requires_grad and handles.get(p) is None:
+                    handles[p] = (_NO_HANDLE, _NO_HANDLE)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _phase(self) -> str:
         if getattr(self, "_in_opt", False):
@@ -228,7 +246,7 @@ class _PeakTracker:
             for p in module.parameters():
                 note(p, block)
                 note(p.grad, block)
-        optimizer = getattr(self, "_optm", None)
+        optimizer = getattr(self, "_optm", None) or getattr(self, "optimizer_of_blocks", None)
         for key, state in (optimizer.state.items() if optimizer is not None else ()):
             winfo = self._WINFO.get(key.untyped_storage(), (None,))[0]
             block = self.block_of.get(self._serial(winfo)) if winfo is not None else None
@@ -505,6 +523,7 @@ def make_tracker(model, optimizer=None):
         *((model, optimizer) if base is FSDPMemTracker else ()))
     if base is MemTracker:
         tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+        tracker.optimizer_of_blocks = optimizer     # FSDPMemTracker keeps its own (_optm): record_blocks needs it
     # Snapshot keys are str-Enum members (hashed by name, not value): map the members themselves.
     tracker._init_peaks({t: TRACKER_TO_CATEGORY.get(t.value, "other") for t in (*_FSDPRefType, *_MemRefType)},
                         {t for t in _FSDPRefType if t.value in OFFLOADED})

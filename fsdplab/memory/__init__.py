@@ -1,7 +1,7 @@
 """The estimator: how much memory one rank of an FSDP2 training step needs, without the GPUs.
 
-- exact: the per-rank figure of a real step on fake tensors (`estimate`), or measured on live ranks
-  (`measure`, `measure_setting`); block_repeat makes a deep model's step from a trace of a few blocks,
+- exact: the per-rank figure of a real step on fake tensors (`estimate`); live: the same step measured on
+  live ranks (`measure`, `measure_setting`); ddp: torch's DDP in the estimate; block_repeat makes a deep model's step from a trace of a few blocks,
   allocator replays it through a model of the CUDA caching allocator, offload_view and local_shards
   are what stays on the GPU and what one rank holds
 - formula: the analytic model (`formula`, `spec_of`), instant; report: `MemoryReport`, the answer
@@ -10,7 +10,8 @@
 - published, gpu_measured: peaks measured on real GPUs, with their sources
 """
 
-from .exact import estimate, estimate_group, estimate_here, measure, measure_setting, memory_snapshot
+from .exact import estimate, estimate_group, estimate_here, memory_snapshot
+from .live import measure, measure_setting
 from .formula import ModelSpec, formula, shard_numel, spec_of
 from .report import CATEGORIES, CATEGORY_LABELS, MemoryReport
 from .sweep import Estimates, Sweep, estimate_all, start_estimates

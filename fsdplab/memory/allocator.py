@@ -255,7 +255,7 @@ def replay(events, preloaded: int = 0, expandable_segments: bool = False, snapsh
 #   13.0, 2026-12-04: mem_get_info's total - free less memory_reserved, the same on every FSDP2 setting). Other
 #   GPUs, drivers and CUDA releases differ by a few hundred MiB.
 # - NCCL's communicator. At world size 1 FSDP2 issues no collective and none is made (the figure above);
-#   replicate() (strategy ddp) makes one: 488 MiB more outside the allocator, measured on the same H200 at world
+#   replicate() makes one: 488 MiB more outside the allocator, measured on the same H200 at world
 #   size 1. At world size 2 and more it holds buffers per channel and peer (NCCL_BUFFSIZE = 4 MiB for the Simple
 #   protocol, plus LL and LL128): NCCL_BYTES is an assumption there, never measured (NVLS buffers on NVSwitch
 #   systems can take more).
@@ -271,8 +271,8 @@ CUDA_CONTEXT_SOURCE = "measured on an H200 at world size 1"
 def nccl_share(setting=None) -> tuple[int, str]:
     """(bytes NCCL holds on a GPU for `setting`, where the figure comes from)."""
     if setting is not None and setting.world_size == 1:
-        if setting.strategy == "ddp":
-            return NCCL_ONE_RANK_BYTES, "measured on an H200 at world size 1"
+        if setting.strategy in ("ddp", "replicate"):     # DDP's all-reduce makes a communicator too
+            return NCCL_ONE_RANK_BYTES, "measured on an H200 at world size 1 (replicate)"
         return 0, "none: FSDP2 issues no collective at world size 1 (measured on an H200)"
     return NCCL_BYTES, "assumed, not measured: NCCL's buffers at world size 2 and more depend on GPUs and links"
 

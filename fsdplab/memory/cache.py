@@ -159,7 +159,9 @@ def cache_path(setting: TrainSetting) -> Path | None:
     source file of fsdplab (a changed estimator never reuses an old figure) and FSDPLAB_TRACE_ALL_BLOCKS. None when
     the variable is unset."""
     folder = os.environ.get("FSDPLAB_ESTIMATE_CACHE")
-    if not folder:
+    from ..custom import custom_of
+
+    if not folder or custom_of(setting.model) is not None:    # its code is not in the fingerprint
         return None
     import torch
 

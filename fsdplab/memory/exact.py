@@ -1,11 +1,11 @@
 """How much memory one rank needs, as a `MemoryReport` (fsdplab.memory.report, with `CATEGORIES`
-and `CATEGORY_LABELS`): exact on fake tensors, or measured on live ranks.
+and `CATEGORY_LABELS`): exact on fake tensors (live ranks: fsdplab.memory.live, the same step).
 
 - `estimate(setting)`: the exact per-rank figure of a real training step at full scale, without GPUs: a fake
   process group of any world size, fake tensors, FSDP2 and two optimizer steps under torch's FSDP memory
   tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes 8-12 s on 2 CPU
   cores and about 400 MB of RAM.
-- `measure(...)` / `measure_setting(setting)`: what live ranks really hold, per category (inside `cluster.run`).
+- `measure(...)` / `measure_setting(setting)` (fsdplab.memory.live): what live ranks really hold, per category.
 - The analytic model is `fsdplab.memory.formula(setting)`; it returns the same report.
 - Within one `fsdplab run`, `estimate` reads back, or waits for, what the run already estimated (the run's
   cache, fsdplab.memory.cache) and adds what it works out itself.
@@ -21,13 +21,15 @@ import time
 import warnings
 from pathlib import Path
 
-from . import cache
+from . import cache, ddp
+from .. import custom as custom_model
+from ..custom import custom_of
 from .allocator import allocator_view
 from .._torch_private import CATEGORIES
 from .report import CATEGORY_LABELS, MemoryReport
 from ..settings import EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
 
-__all__ = ["CATEGORIES", "CATEGORY_LABELS", "MemoryReport", "estimate", "measure", "measure_setting"]
+__all__ = ["CATEGORIES", "CATEGORY_LABELS", "MemoryReport", "estimate", "estimate_group", "memory_snapshot"]
 
 
 # --- training steps under the tracker (shared by estimate and measure) ------------------------------------
@@ -261,8 +263,11 @@ def _compute_estimate(setting: TrainSetting, say, snapshot_path=None) -> MemoryR
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     config = config_of(setting.model)
+    # A custom model may set itself up in its first forward (a table made once, a lazy layer): its first step runs
+    # as a real one does, where a transformers model's need not (see _run_steps).
+    shortcut = custom_of(config) is None
     try:
-        [(run, seconds, traced)] = _fake_steps(setting, config, say, state_only_first=True,
+        [(run, seconds, traced)] = _fake_steps(setting, config, say, state_only_first=shortcut,
                                                label_allocations=snapshot_path is not None)
     except _ParameterWithoutGradient:
         say("a trainable parameter gets no gradient: starting again with a full first step")
@@ -329,11 +334,18 @@ def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None,
     if setting.precision != "fp32":
         base = {"fp32": "fp32", "nf4": "4-bit NF4 codes (blocks' matrices; the rest bf16)"}.get(
             setting.base_dtype, setting.base_dtype)
-        stored = (f"fp32 LoRA adapters (the master copy) and a frozen base stored as {base}"
+        stored = (f"{setting.adapter_dtype} LoRA adapters" + (" (the master copy)" if setting.adapter_dtype == "fp32"
+                                                              else ", trained in place") +
+                  f" and a frozen base stored as {base}"
                   if setting.lora_rank is not None else f"{base} sharded parameters"
                   + (" (the master copy)" if setting.base_dtype == "fp32" else ", trained in place"))
-        notes.append(f"{setting.precision} compute with {stored}; fp32 gradient reduction, as FSDP2's "
+        notes.append(f"{setting.precision} compute under torch.autocast with {stored}; gradients in the parameters' "
+                     "dtype, all-reduced through DDP's buckets." if setting.strategy == "ddp" else
+                     f"{setting.precision} compute with {stored}; fp32 gradient reduction, as FSDP2's "
                      "MixedPrecisionPolicy does.")
+    if setting.lora_dropout:
+        notes.append(f"LoRA dropout {setting.lora_dropout}: peft keeps each adapted Linear's dropped input for "
+                     "lora_A's backward.")
     if setting.base_dtype == "nf4":
         notes.append("NF4 base: torchao's tensor; FSDP2 all-gathers its 4-bit codes and scales, and each forward "
                      "and backward dequantizes one matrix at a time in eager torchao code (its int64 indices are "
@@ -349,10 +361,15 @@ def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None,
 
 def _strategy_notes(setting: TrainSetting) -> list:
     if setting.strategy == "ddp":
-        return ["ddp runs as torch's FSDP2-based replicate(): every rank keeps the fp32 parameters, gradients and "
-                "optimizer state, plus each unit's unsharded copy while it computes. DistributedDataParallel "
-                "itself cannot run on fake tensors (its C++ Reducer reads tensor data); it keeps gradient buckets "
-                "(a second gradient copy) instead of the unit copies."]
+        return ["ddp is torch's DistributedDataParallel: every rank keeps the whole model, its gradients and "
+                "optimizer state, and DDP's gradient buckets (a second gradient copy, in communication buffers). "
+                "Its C++ Reducer cannot run on fake tensors: the model is traced unwrapped, as DDP runs it, and "
+                "the buckets are added as DDP sizes them (fsdplab.memory.ddp)."
+                + (f" {setting.precision} compute is torch.autocast, traced with the CPU's autocast op lists "
+                   "(CUDA's keep a few more ops in fp32)." if setting.precision != "fp32" else "")]
+    if setting.strategy == "replicate":
+        return ["replicate is FSDP2's replicate(): every rank keeps the fp32 parameters, gradients and optimizer "
+                "state, plus each unit's unsharded copy while it computes."]
     if setting.strategy == "hybrid_shard":
         return [f"hybrid_shard: parameters sharded over {setting.shards} ranks (one node), replicated over "
                 f"{setting.world_size // setting.shards} such groups; FSDP2 pads each parameter's dim 0 to a multiple "
@@ -388,7 +405,7 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
 
     from .._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
     from .local_shards import step_local_shards
-    from ..sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
+    from ..sharding import apply_data_parallel, build_model, data_parallel_mesh, make_optimizer
 
     t0 = time.perf_counter()
     with fake_process_group(setting.world_size), warnings.catch_warnings():
@@ -396,10 +413,12 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
         # peft and .to(dtype) fail inside FakeTensorMode: the model is built on the meta device, sharded there
         # (FSDP2's meta-device init, half the time of sharding fake tensors) and materialised as fake tensors
         # by to_empty, after which FSDP2 re-pads the shards, as it does for real runs built on meta.
+        custom = custom_of(config)
         net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
         say("model built on the meta device" + (f" ({config.num_hidden_layers} of {repeat_to} blocks)"
                                                  if repeat_to else ""))
-        apply_data_parallel(net, setting, mesh)
+        if setting.strategy != "ddp":       # DDP's Reducer cannot run on fake tensors: fsdplab.memory.ddp
+            apply_data_parallel(net, setting, mesh, custom_model.blocks(custom, net) if custom else None)
         with fake_tensor_mode(), eager_attention_masks():
             net.to_empty(device="cpu")
             if setting.base_dtype == "nf4":
@@ -414,90 +433,27 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
             say("sharded; running two training steps")
             runs = []
             for point in points or [setting]:
-                tokens = torch.randint(0, config.vocab_size, (point.batch_size, point.seq_len))
-                batch = {"input_ids": tokens, "labels": tokens}
-                run = _run_steps(net, opt, batch, 2, loss_fn=loss_for(point), progress=say,
+                if custom is not None:
+                    batch = custom_model.batch(custom, point)
+                else:
+                    tokens = torch.randint(0, config.vocab_size, (point.batch_size, point.seq_len))
+                    batch = {"input_ids": tokens, "labels": tokens}
+                run = _run_steps(net, opt, batch, 2, loss_fn=_loss_fn(point, "cpu"), progress=say,
                                  offload=point.cpu_offload, state_only_first=state_only_first,
                                  label_allocations=label_allocations, repeat_to=repeat_to)
+                if point.strategy == "ddp":
+                    run = ddp.with_buckets(run, ddp.bucket_sizes(net, repeat_to))
                 runs.append((run, time.perf_counter() - t0))
                 t0 = time.perf_counter()
             return runs
 
 
-# --- measure: live ranks ---------------------------------------------------------------------------------
+def _loss_fn(setting: TrainSetting, device_type: str):
+    """The loss function of `setting`'s step (a custom model's own); DDP computes in 16 bits under autocast."""
+    from ..sharding import loss_for
 
-def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryReport:
-    """Per-category peak memory of this rank over `steps` real training steps (the lowest peak of the
-    steps after the first, which creates the optimizer state; see _run_steps for why the lowest).
-
-    Call it on every rank inside `cluster.run` (it runs collectives). `batch` is a dict of model kwargs
-    (transformers: input_ids, labels), or (inputs, targets); `loss_fn(model, batch)` overrides the loss.
-    Categories come from torch's memory tracker (FSDPMemTracker for FSDP2 models, MemTracker otherwise);
-    on a GPU the notes add torch.cuda.max_memory_allocated over the steps (allocator's view, for comparison).
-    """
-    import torch
-
-    from ..ranks import this_rank, this_world_size
-
-    t0 = time.perf_counter()
-    on_gpu = any(p.is_cuda for p in model.parameters())
-    if on_gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, _ = _run_steps(
-        model, optimizer, batch, steps, loss_fn)
-    notes = ["categories from torch's memory tracker (tensor storages, exact bytes on CPU)."]
-    if on_gpu:
-        torch.cuda.synchronize()
-        notes.append(f"tracker peak {peak / GIB:.3f} GiB; torch.cuda.max_memory_allocated "
-                     f"{torch.cuda.max_memory_allocated() / GIB:.3f} GiB over the steps.")
-    return MemoryReport(peak_bytes=int(peak), by_category=by_category, world_size=this_world_size(),
-                        settings={"rank": this_rank(), "steps": steps},
-                        notes=notes, source="measure", resident=_resident(after_backward, after_step),
-                        detail=raw, category_peaks=category_peaks, peak_moment=moment, timeline=timeline,
-                        seconds=round(time.perf_counter() - t0, 2))
-
-
-def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, seed: int = 0,
-                    **changes) -> MemoryReport:
-    """On a live rank: build the model `estimate` sizes for `setting` (real weights), shard it over the rank's
-    mesh and `measure` it. Returns this rank's report (call inside cluster.run on every rank; compare with
-    `estimate(setting)`). setting.world_size must be the group's size."""
-    import torch
-
-    from ..ranks import device, mesh
-    from ..models import config_of
-    from ..sharding import apply_data_parallel, build_model, data_parallel_mesh, loss_for, make_optimizer
-
-    setting = as_setting(setting, **changes)
-    check_choice("strategy (measured)", setting.strategy, EXACT_STRATEGIES)
-    if setting.world_size != mesh().size():
-        raise ValueError(f"setting.world_size is {setting.world_size} but the group has {mesh().size()} ranks: "
-                         f"use setting.replace(world_size={mesh().size()}).")
-    if setting.cpu_offload and device().type != "cuda":
-        raise ValueError("cpu_offload is measured on GPU ranks only: FSDP2's CPUOffloadPolicy moves shards between "
-                         "the host and an accelerator. On CPU ranks use estimate(setting), which models it.")
-    torch.manual_seed(seed)
-    config = config_of(setting.model)
-    if setting.cpu_offload:
-        net = _build_offloaded(setting.replace(model=config), seed)
-    else:
-        net = build_model(setting.replace(model=config), device=device(), dtype=setting.base_dtype)
-        apply_data_parallel(net, setting, mesh() if setting.strategy != "hybrid_shard"
-                            else data_parallel_mesh(setting, device().type))
-    opt = make_optimizer(net, setting.optimizer)
-    tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len), device=device())
-    report = measure(net, opt, {"input_ids": tokens, "labels": tokens}, steps=steps, loss_fn=loss_for(setting))
-    report.settings.update(setting.to_dict())
-    return report
-
-
-def _build_offloaded(setting: TrainSetting, seed: int):
-    """The model as an offloading program builds it: on the meta device, fully_shard with CPUOffloadPolicy, the
-    shards placed in host memory by to_empty, the weights from rank 0 (sharding.build_sharded). Built on the GPU
-    first, the model would leave there what offloading is meant to keep off it (and its peak would be that)."""
-    from ..ranks import device, mesh
-    from ..sharding import build_sharded
-
-    check_choice("strategy (with cpu_offload)", setting.strategy, ("full_shard", "shard_grad_op"))
-    return build_sharded(setting, mesh(), device=device(), seed=seed)
+    custom = custom_of(setting.model)
+    loss = custom.loss if custom is not None else loss_for(setting)
+    if setting.strategy == "ddp":
+        return ddp.autocast_loss(loss, setting.precision, device_type)
+    return loss

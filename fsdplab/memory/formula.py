@@ -123,9 +123,9 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
 
     - DDP / ZeRO-1 / ZeRO-2 (the ZeRO paper's mixed precision): 2-byte weights and gradients, 12 bytes of
       fp32 optimizer state (master copy, m, v). ZeRO-1 shards the optimizer state, ZeRO-2 also gradients.
-      (The exact estimator runs DDP as torch's FSDP2-based replicate, which keeps the same 16 bytes as fp32
-      parameters and gradients plus m and v: equal sums, another split.)
-    - FSDP2 (shard_grad_op, full_shard, hybrid_shard): the sharded fp32 parameters ARE the master copy
+      DDP adds its gradient buckets, a second copy of the gradients. (torch's DDP with autocast keeps fp32
+      parameters and gradients plus m and v: the same 16 bytes, another split.)
+    - FSDP2 (shard_grad_op, full_shard, hybrid_shard, and replicate, unsharded): the sharded fp32 parameters ARE the master copy
       (4 B), sharded gradients are fp32 (4 B), Adam keeps m and v (8 B); 16-bit copies exist only for the
       unit being computed ("in flight"). Each parameter's dim 0 is padded to a multiple of the shard count.
 
@@ -148,6 +148,11 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     world_size=8, strategy="ddp")). activation_bytes overrides the activation model (e.g. a measured figure).
     """
     setting = as_setting(setting, **changes)
+    from ..custom import custom_of
+
+    if custom_of(setting.model) is not None:
+        raise ValueError("the formula knows transformers models and parameter counts: estimate(setting) traces a "
+                         "custom model.")
     spec = spec_of(setting.model)
     n, strategy, precision, optimizer = setting.world_size, setting.strategy, setting.precision, setting.optimizer
     lora_rank, lora_targets, per_block = setting.lora_rank, setting.lora_targets, setting.per_block
@@ -160,7 +165,7 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     def stored(shape, trained, where) -> float:
         """Bytes of one stored element: LoRA adapters fp32, an NF4 base's block matrices 4-bit, else base_b."""
         if trained and lora_rank is not None:
-            return 4
+            return 2 if setting.adapter_dtype != "fp32" else 4
         if nf4 and not trained and where == "block" and len(shape) == 2:
             return NF4_BYTES_PER_WEIGHT
         return base_b
@@ -184,7 +189,7 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
     detail.update(total_params=total, trainable_params=trainable)
 
     fsdp = strategy in FSDP_STRATEGIES
-    if fsdp:
+    if fsdp or strategy == "replicate":
         shards = setting.shards
         # Sharded gradients and Adam's m and v take the parameter's own dtype.
         local = lambda pred: int(sum(shard_numel(s, shards) * stored(s, t, w_) for s, t, w_ in shapes  # noqa: E731
@@ -256,6 +261,11 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
         s, b, h, a, L = seq_len, batch_size, spec.hidden, spec.num_heads, spec.num_layers
         scale = w / 2                        # the paper counts 16-bit activations
         per_layer = s * b * h * (34 + (0 if flash_attention else 5 * a * s / h)) * scale
+        if setting.lora_dropout and lora_rank is not None:
+            # peft keeps each adapted Linear's dropped input (and dropout's 1-byte mask) for lora_A's backward
+            inputs = sum(shape[1] for name, shape in spec.lora_shapes(1, lora_targets) if name.endswith("lora_A"))
+            per_layer += s * b * inputs * (w + 1)
+            notes.append(f"LoRA dropout {setting.lora_dropout}: each adapted Linear's dropped input is kept.")
         every = setting.checkpointed_every
         if activation_checkpointing == "selective":
             # torchtitan's per-op policy keeps the block input, the attention output and every other matmul

@@ -29,8 +29,9 @@ ESTIMATED_WITH = ("`fsdplab estimate --world-size 1 --gpu-mem-gib 140 --json --a
                   "with torch 2.13.0 (fsdplab b7ea962)")
 
 # Measured outside the caching allocator (mem_get_info's total - free, less memory_reserved) at world size 1:
-# 877,461,504 B (0.82 GiB) on every FSDP2 setting run before the first ddp one (881,655,808 B with the Llama
-# models); from the first ddp setting on, 1,389,166,592 B in the same process: 488 MiB more, which stayed.
+# 877,461,504 B (0.82 GiB) on every FSDP2 setting run before the first replicate one (881,655,808 B with the Llama
+# models); from the first replicate setting on, 1,389,166,592 B in the same process: 488 MiB more, which stayed.
+# (The run named those settings "-ddp": the lab's ddp meant FSDP2's replicate() then. Its own files keep the names.)
 # FSDP2 issues no collective at world size 1 (it copies the shards in place of an all-gather); replicate()'s
 # first collective made NCCL's communicator. fsdplab.memory.allocator holds both figures (it sits below this module).
 from .allocator import OUTSIDE_ALLOCATOR_AFTER_NCCL_WS1, OUTSIDE_ALLOCATOR_FSDP_WS1  # noqa: E402
@@ -100,13 +101,13 @@ _DATA = [
     ("llama2-7b-lora64aa7-ac-b4s2048", "llama2-7b", dict(seq_len=2048, batch_size=4, lora_rank=64, lora_alpha=16,
                                                           lora_targets=_AA7, activation_checkpointing=True, **_B16),
      21147289600, 23957864448, 24839520256, 881655808, 21147289608, 23836229632, False),
-    ("1b-lora+ac-ddp", "1b", dict(seq_len=2048, activation_checkpointing=True, strategy="ddp", **_LORA_1B),
+    ("1b-lora+ac-replicate", "1b", dict(seq_len=2048, activation_checkpointing=True, strategy="replicate", **_LORA_1B),
      7626808320, 7964983296, 9354149888, 1389166592, 7547639176, 7897874432, True),
-    ("1b-full+ac-ddp", "1b", dict(seq_len=2048, activation_checkpointing=True, strategy="ddp"),
+    ("1b-full+ac-replicate", "1b", dict(seq_len=2048, activation_checkpointing=True, strategy="replicate"),
      20073080320, 22041067520, 23430234112, 1389166592, 20073080080, 21441282048, False),
-    ("llama2-7b-lora64aa7-ac-b4s2048-ddp", "llama2-7b", dict(seq_len=2048, batch_size=4, lora_rank=64, lora_alpha=16,
+    ("llama2-7b-lora64aa7-ac-b4s2048-replicate", "llama2-7b", dict(seq_len=2048, batch_size=4, lora_rank=64, lora_alpha=16,
                                                               lora_targets=_AA7, activation_checkpointing=True,
-                                                              strategy="ddp", **_B16),
+                                                              strategy="replicate", **_B16),
      34392508416, 36853252096, 38244515840, 1391263744, 34386085896, 36586913792, False),
     ("llama2-7b-lora64aa7-ac-b10s2048-off", "llama2-7b", dict(seq_len=2048, batch_size=10, lora_rank=64, lora_alpha=16,
                                                                lora_targets=_AA7, activation_checkpointing=True,

@@ -24,10 +24,22 @@ from ..settings import GIB, MIB, TrainSetting
 
 def check(setting: TrainSetting) -> None:
     """ValueError, with the fix, for a setting the estimator would reject late or confusingly."""
+    from ..custom import custom_of
     from ..models import architecture_of, config_of
     from ..sharding import build_model
 
     config = config_of(setting.model)
+    custom = custom_of(config)
+    if custom is not None:
+        try:
+            build_model(setting, device="meta", dtype=setting.base_dtype)
+        except ValueError:
+            raise                        # the lab's own refusals say what to do already
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"{custom.name}: building it on the meta device failed ({type(e).__name__}: {first}); "
+                             "build() must make the module without reading weights (no .item(), no file).") from None
+        return
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and setting.seq_len > limit:
         raise ValueError(f"seq_len {setting.seq_len} is over the model's maximum ({limit} positions, "

@@ -285,8 +285,10 @@ def estimate_command(args) -> int:
     _at_least("--loss-chunks", args.loss_chunks, 1, "8")
     _at_least("--workers", args.workers, 1, "2")
     _at_least("--reshard-to", args.reshard_to, 2, "8")
-    if args.lora_targets != "all-linear" and args.lora_rank is None:
-        raise ValueError("--lora-targets chooses where LoRA adapters go: add --lora-rank (e.g. --lora-rank 16).")
+    for flag, given in (("--lora-targets", args.lora_targets != "all-linear"), ("--lora-dropout", args.lora_dropout),
+                        ("--adapter-dtype", args.adapter_dtype != "fp32")):
+        if given and args.lora_rank is None:
+            raise ValueError(f"{flag} describes LoRA adapters: add --lora-rank (e.g. --lora-rank 16).")
     for flag, text in (("--plot", args.plot), ("--timeline", args.timeline)):
         if text and not text.lower().endswith(".png"):
             raise ValueError(f"{flag} writes a PNG: give a file name ending in .png, got {text!r}.")
@@ -306,6 +308,7 @@ def estimate_command(args) -> int:
                              f"(e.g. --reshard-to 8, one node).")
     setting = TrainSetting(model=resolve_model(args.model), world_size=world_sizes[0], lora_rank=args.lora_rank,
                            lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
+                           lora_dropout=args.lora_dropout, adapter_dtype=args.adapter_dtype,
                            batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,
                            optimizer=args.optimizer, activation_checkpointing=_checkpointing(args),
                            strategy=_strategy(args), shard_group_size=args.shard_group_size,
@@ -412,13 +415,18 @@ def main(argv=None) -> int:
                                      "--seq-len, --batch-size and --world-size take comma lists: every combination "
                                      "is estimated (a sweep).")
     est.add_argument("--model", default="qwen-7b",
-                     help=f"a registered name ({', '.join(MODELS)}), a config.json, a model folder, or a Hub id "
-                          "(org/name; the local Hugging Face cache is tried first)")
+                     help=f"a registered name ({', '.join(MODELS)}), a config.json, a model folder, a Hub id "
+                          "(org/name; the local Hugging Face cache is tried first), or your own nn.Module as "
+                          "package.module:function returning a fsdplab.custom.CustomModel")
     est.add_argument("--world-size", default="8", help="GPUs, or a comma list (e.g. 4,8)")
     est.add_argument("--gpu-mem-gib", type=float, default=24.0)
     est.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tune)")
     est.add_argument("--lora-targets", default="all-linear",
                      help="all-linear, attention, or module names separated by commas (e.g. q_proj,v_proj)")
+    est.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
+                     help="peft's LoRA dropout (e.g. 0.05): each adapted Linear keeps its dropped input")
+    est.add_argument("--adapter-dtype", default="fp32", choices=PRECISIONS,
+                     help="storage dtype of the LoRA adapters (fp32: peft's; bf16 as torchtune and LitGPT)")
     est.add_argument("--seq-len", default="2048", help="tokens per sequence, or a comma list (e.g. 512,1024,2048)")
     est.add_argument("--batch-size", default="1", help="micro-batch per GPU, or a comma list (e.g. 1,2,4)")
     est.add_argument("--precision", default="bf16", choices=PRECISIONS, help="compute dtype")
@@ -439,7 +447,8 @@ def main(argv=None) -> int:
     est.add_argument("--use-cache", action="store_true", help="keep transformers' KV cache on while training")
     est.add_argument("--strategy", choices=EXACT_STRATEGIES, default=None,
                      help="full_shard (default), shard_grad_op, hybrid_shard (sharded inside a node, replicated "
-                          "across nodes) or ddp (every rank keeps everything)")
+                          "across nodes), ddp (torch's DistributedDataParallel: every rank keeps everything, plus "
+                          "gradient buckets) or replicate (FSDP2's replicate(): DDP's layout on FSDP2)")
     est.add_argument("--shard-group-size", type=int, default=None,
                      help="hybrid_shard: GPUs one parameter is sharded over, usually one node's (default min(N, 8))")
     est.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,

@@ -107,9 +107,11 @@ def test_nvidia_smis_extra_is_the_h200_measurement_at_world_size_1_and_an_assump
     # what the H200 held outside the allocator on the FSDP2 rows measured before any NCCL communicator existed
     assert one["cuda_context"] == fsdp_rows[0].outside_allocator and one["nccl"] == 0
     assert one["nvidia_smi"] == 10 * GiB + fsdp_rows[0].outside_allocator
-    ddp = allocator_view(replayed, TrainSetting(model="tiny", world_size=1, strategy="ddp"))
-    ddp_row = next(r for r in gpu_measured.ROWS if r.train_setting().strategy == "ddp")
+    ddp = allocator_view(replayed, TrainSetting(model="tiny", world_size=1, strategy="replicate"))
+    ddp_row = next(r for r in gpu_measured.ROWS if r.train_setting().strategy == "replicate")
     assert ddp["cuda_context"] + ddp["nccl"] == ddp_row.outside_allocator      # replicate() made a communicator
+    # torch's DDP all-reduces too: the same communicator (not measured on its own)
+    assert allocator_view(replayed, TrainSetting(model="tiny", world_size=1, strategy="ddp"))["nccl"] == ddp["nccl"]
     eight = allocator_view(replayed, TrainSetting(model="tiny", world_size=8))
     assert eight["nccl"] > 0 and eight["nccl_source"].startswith("assumed")
     assert "measured" in one["cuda_context_source"] and "measured" in ddp["nccl_source"]

@@ -57,6 +57,7 @@ WING_OF = {
     "fsdplab.models": "subject",
     "fsdplab.sharding": "subject",
     "fsdplab.nf4": "subject",               # QLoRA's 4-bit base, for the builder and the estimator
+    "fsdplab.custom": "subject",            # a model of your own (imports nothing of fsdplab)
     # instruments and files
     "fsdplab.comms": "instruments",
     "fsdplab.network": "instruments",
@@ -79,7 +80,7 @@ _RANKS = ("rank(), device() and mesh() are the face's names for state the runtim
 KNOWN_EXCEPTIONS = {
     ("fsdplab.checkpoint", "fsdplab.ranks"): _RANKS,
     ("fsdplab.comms", "fsdplab.ranks"): _RANKS,
-    ("fsdplab.memory.exact", "fsdplab.ranks"): _RANKS,
+    ("fsdplab.memory.live", "fsdplab.ranks"): _RANKS,
     ("fsdplab.safe_files", "fsdplab.ranks"): _RANKS,
     ("fsdplab.sharding", "fsdplab.ranks"): _RANKS,
     ("fsdplab.timeline", "fsdplab.ranks"): _RANKS,

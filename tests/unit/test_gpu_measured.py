@@ -20,9 +20,9 @@ def test_the_estimate_still_gives_what_the_gpu_agreed_with(row):
     assert abs(found["reserved_error"]) <= G.RESERVED_TOLERANCE, found
 
 
-def test_the_ci_rows_cover_full_lora_ddp_and_eager_and_no_row_without_a_comparison():
+def test_the_ci_rows_cover_full_lora_replicate_and_eager_and_no_row_without_a_comparison():
     settings = [r.train_setting() for r in CI_ROWS]
-    assert {s.strategy for s in settings} == {"full_shard", "ddp"}
+    assert {s.strategy for s in settings} == {"full_shard", "replicate"}
     assert {s.lora_rank is None for s in settings} == {True, False}
     assert {s.attention for s in settings} == {"sdpa", "eager"}
     assert not any(r.not_comparable for r in CI_ROWS)

@@ -190,7 +190,7 @@ def test_memory_cases_settings_fp16_and_fit():
     assert len(mc.CASES) == 17 and not any(name.endswith("-off") for name in mc.CASES)
     settings = {name: mc.setting_of(name) for name in mc.CASES}
     assert all(s.world_size == 1 and not s.cpu_offload for s in settings.values())
-    assert settings["1b-full+ac-ddp"].strategy == "ddp" and settings["1b-full"].strategy == "full_shard"
+    assert settings["1b-full+ac-replicate"].strategy == "replicate" and settings["1b-full"].strategy == "full_shard"
     assert settings["1b-full-eager"].attention == "eager" and settings["1b-full-chunks8"].loss_chunks == 8
     assert settings["qwen7b-lora64-ac-bf16-s8192"].seq_len == 8192
     # No native bf16 below compute capability 8.0 (a T4 is 7.5): every bf16 becomes fp16, nothing else changes.

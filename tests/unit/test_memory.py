@@ -65,6 +65,7 @@ def test_bad_settings_raise_value_errors():
 
 
 @pytest.mark.parametrize("world_size, extra", [(2, {}), (3, {}), (2, dict(lora_rank=8, base_dtype="bf16")),
+                                               (2, dict(lora_rank=8, base_dtype="bf16", adapter_dtype="bf16")),
                                                (3, dict(base_dtype="fp16", precision="fp16"))])
 def test_estimate_and_formula_agree_exactly_on_resident_shards(world_size, extra):
     # World size 3 pads: kv projections have 64 rows, each rank keeps ceil(64/3) = 22.
@@ -77,12 +78,13 @@ def test_estimate_and_formula_agree_exactly_on_resident_shards(world_size, extra
 
 @pytest.mark.parametrize("extra", [dict(strategy="hybrid_shard", shard_group_size=2),
                                    dict(strategy="hybrid_shard", shard_group_size=2, precision="fp32", lora_rank=8),
-                                   dict(strategy="ddp", precision="fp32"), dict(strategy="ddp", lora_rank=8)])
+                                   dict(strategy="ddp", precision="fp32"), dict(strategy="ddp", lora_rank=8),
+                                   dict(strategy="replicate"), dict(strategy="replicate", lora_rank=8)])
 def test_exact_hsdp_and_ddp_agree_with_the_formula(extra):
     est = estimate(model="tiny", world_size=4, seq_len=32, progress=False, **extra)
     form = formula(model="tiny", world_size=4, seq_len=32, **extra)
     if extra["strategy"] == "ddp" and extra.get("precision") != "fp32":
-        # The formula's DDP is the ZeRO paper's 2 + 2 + 12 bytes; replicate() keeps fp32 weights and
+        # The formula's DDP is the ZeRO paper's 2 + 2 + 12 bytes; DDP under autocast keeps fp32 weights and
         # gradients and m, v: the same bytes in all, another split.
         assert sum(est.resident.values()) == sum(form.resident.values())
         assert est.resident["gradients"] == 2 * form.resident["gradients"]
@@ -93,6 +95,20 @@ def test_exact_hsdp_and_ddp_agree_with_the_formula(extra):
                                                   **{k: v for k, v in extra.items() if k not in
                                                      ("strategy", "shard_group_size")}).resident["parameters"]
     assert any(extra["strategy"] in note for note in est.notes)
+
+
+def test_lora_dropout_keeps_the_adapted_inputs_and_16_bit_adapters_halve_their_state():
+    plain = estimate(model="tiny", world_size=2, seq_len=64, lora_rank=8, progress=False)
+    dropped = estimate(model="tiny", world_size=2, seq_len=64, lora_rank=8, lora_dropout=0.1, progress=False)
+    assert dropped.category_peaks["activations"] > plain.category_peaks["activations"]
+    assert dropped.resident == plain.resident and any("LoRA dropout 0.1" in n for n in dropped.notes)
+    half = estimate(model="tiny", world_size=2, seq_len=64, lora_rank=8, adapter_dtype="bf16", progress=False)
+    assert 2 * half.resident["gradients"] == plain.resident["gradients"]
+    assert any("bf16 LoRA adapters" in n for n in half.notes)
+    with pytest.raises(ValueError, match="set lora_rank"):
+        TrainSetting(lora_dropout=0.1)
+    with pytest.raises(ValueError, match="probability"):
+        TrainSetting(lora_rank=8, lora_dropout=1.5)
 
 
 def test_a_16_bit_base_halves_the_frozen_weights():
@@ -151,7 +167,10 @@ def _live_mismatches(report, est) -> list:
 
 
 @pytest.mark.parametrize("setting", [dict(), dict(lora_rank=8), dict(activation_checkpointing=True),
-                                     dict(strategy="ddp", precision="fp32"), dict(attention="eager"),
+                                     dict(strategy="ddp", precision="fp32"), dict(strategy="ddp", lora_rank=8),
+                                     dict(strategy="ddp"), dict(strategy="replicate"), dict(attention="eager"),
+                                     dict(lora_rank=8, lora_dropout=0.1),
+                                     dict(lora_rank=8, adapter_dtype="bf16", base_dtype="bf16"),
                                      dict(loss_chunks=4), dict(activation_checkpointing="selective"),
                                      dict(activation_checkpointing=2), dict(use_cache=True), dict(embed_head_units=True)])
 def test_estimate_matches_live_ranks_per_category(cluster, setting):
@@ -166,6 +185,57 @@ def test_estimate_matches_live_ranks_per_category(cluster, setting):
         if not any(attempts[-1]):
             return
     pytest.fail(f"the estimate matched no live measurement of 3: {attempts}")
+
+
+TINY_TRANSFORMER = "fsdplab.memory.published:lightning_transformer_tiny"
+
+
+@pytest.mark.parametrize("setting", [dict(), dict(strategy="ddp"), dict(strategy="ddp", precision="bf16"),
+                                     dict(strategy="replicate"), dict(activation_checkpointing=True),
+                                     dict(strategy="shard_grad_op", precision="bf16")])
+def test_a_custom_models_estimate_matches_live_ranks_per_category(cluster, setting):
+    # an nn.Transformer of the user's own (fsdplab.custom), its encoder and decoder layers the units
+    setting = dict(dict(model=TINY_TRANSFORMER, world_size=2, seq_len=35, batch_size=2, precision="fp32"), **setting)
+    est = estimate(progress=False, **setting)
+    attempts = []
+    for _ in range(3):
+        attempts.append([_live_mismatches(report, est) for report in cluster.run(measure_setting, **setting)])
+        if not any(attempts[-1]):
+            return
+    pytest.fail(f"the estimate matched no live measurement of 3: {attempts}")
+
+
+def _ddp_buckets_after_three_steps(lora_rank):
+    import torch
+
+    from fsdplab.memory import ddp
+    from fsdplab.models import config_of
+    from fsdplab.sharding import apply_ddp, build_model, make_optimizer, train_step
+
+    setting = TrainSetting(model="tiny", world_size=2, seq_len=16, lora_rank=lora_rank)
+    model = apply_ddp(build_model(setting.replace(model=config_of("tiny")), device="cpu"))
+    optimizer = make_optimizer(model)
+    tokens = torch.randint(0, config_of("tiny").vocab_size, (1, 16))
+    for _ in range(3):     # DDP rebuilds its buckets in step 2's forward and reports them in step 3's
+        train_step(model, optimizer, {"input_ids": tokens, "labels": tokens})
+    return ddp.bucket_bytes(model)
+
+
+@pytest.mark.parametrize("lora_rank", [None, 8])
+def test_the_estimators_ddp_buckets_are_those_torchs_ddp_rebuilds(cluster, lora_rank):
+    from fsdplab.memory import ddp
+    from fsdplab.models import config_of
+    from fsdplab.sharding import build_model
+
+    live = cluster.run(_ddp_buckets_after_three_steps, lora_rank, quiet=True)
+    model = build_model(TrainSetting(model=config_of("tiny"), lora_rank=lora_rank), device="meta")
+    modelled = ddp.bucket_sizes(model)
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    # the same buckets in all; a boundary may sit a parameter away (bucket_sizes says why)
+    assert live[0] == live[1] and sum(live[0]) == sum(modelled) == trained and len(live[0]) == len(modelled)
+    assert all(abs(a - b) <= 4096 for a, b in zip(live[0], modelled)), (live[0], modelled)
+    if lora_rank is None:
+        assert len(modelled) > 1       # the first bucket's 1 MiB cap splits them
 
 
 def test_estimate_runs_in_a_subprocess_when_a_group_exists(cluster):

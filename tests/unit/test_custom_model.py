@@ -1,0 +1,68 @@
+"""Any nn.Module in the estimator (fsdplab.custom): named as package.module:function on the CLI and across processes,
+as a CustomModel in Python; its estimate against live ranks is in test_memory.py, its published figures in
+test_published.py."""
+
+import json
+
+import pytest
+
+from fsdplab.custom import CustomModel
+from fsdplab.memory import estimate, formula
+from fsdplab.memory.published import lightning_transformer_tiny
+from fsdplab.settings import TrainSetting, setting_payload
+
+TINY = "fsdplab.memory.published:lightning_transformer_tiny"
+SMALL = dict(world_size=2, seq_len=35, batch_size=2, precision="fp32", progress=False)
+
+
+@pytest.mark.parametrize("spec, words", [("no_such_module_here:f", "cannot import 'no_such_module_here'"),
+                                         ("fsdplab.memory.published:nothing", "has no function 'nothing'"),
+                                         ("fsdplab.memory.published:llama31_8b", "returned a LlamaConfig")])
+def test_a_spec_that_does_not_load_says_why(spec, words):
+    with pytest.raises(ValueError, match=words):
+        TrainSetting(model=spec)
+
+
+def test_what_a_custom_model_cannot_take_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match="put your own adapters inside build"):
+        TrainSetting(model=TINY, lora_rank=8)
+    with pytest.raises(ValueError, match="estimate"):
+        formula(model=TINY)
+    no_blocks = CustomModel(build=lightning_transformer_tiny().build, batch=lightning_transformer_tiny().batch,
+                            loss=lightning_transformer_tiny().loss)
+    with pytest.raises(ValueError, match="blocks"):
+        TrainSetting(model=no_blocks, activation_checkpointing=True)
+
+
+def test_a_custom_model_object_estimates_as_its_spec_does_and_says_why_it_cannot_travel():
+    made_here = lightning_transformer_tiny()          # no spec: it exists in this process only
+    assert made_here.spec is None
+    here = estimate(model=made_here, subprocess_mode=False, **SMALL)
+    named = estimate(model=TINY, subprocess_mode=False, **SMALL)
+    assert (here.peak_bytes, here.by_category, here.resident) == (named.peak_bytes, named.by_category, named.resident)
+    with pytest.raises(ValueError, match="package.module:function"):
+        setting_payload(TrainSetting(model=made_here))
+    assert setting_payload(TrainSetting(model=TINY))["model"] == TINY
+
+
+def test_without_blocks_the_whole_model_is_one_unit():
+    whole = lightning_transformer_tiny()
+    one_unit = CustomModel(build=whole.build, batch=whole.batch, loss=whole.loss)
+    per_layer = estimate(model=whole, subprocess_mode=False, **SMALL)
+    single = estimate(model=one_unit, subprocess_mode=False, **SMALL)
+    # one unit gathers every parameter at once: more in flight than one layer at a time
+    assert single.category_peaks["parameters"] > per_layer.category_peaks["parameters"]
+    assert single.resident == per_layer.resident
+
+
+def test_the_cli_estimates_a_module_named_by_its_function(capsys):
+    from fsdplab.runner.cli import main
+
+    assert main(["estimate", "--model", TINY, "--world-size", "2", "--seq-len", "35", "--batch-size", "2",
+                 "--precision", "fp32", "--strategy", "ddp", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # torch's DDP: a whole copy of the model per rank, and its gradient buckets as large as the gradients
+    assert data["by_category"]["communication_buffers"] == data["resident"]["gradients"] > 0
+    assert data["resident"]["parameters"] == data["resident"]["gradients"]
+    assert main(["estimate", "--model", "not_a_module_anywhere:build", "--json"]) != 0
+    assert "cannot import 'not_a_module_anywhere'" in capsys.readouterr().err
