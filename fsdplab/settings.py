@@ -168,6 +168,11 @@ class TrainSetting:
     # Storage dtype of the LoRA adapters: fp32 (peft's default, the master copy) or 16-bit, as torchtune and LitGPT
     # keep them; their gradients and Adam's m and v take the same dtype.
     adapter_dtype: str = "fp32"
+    # Gradient accumulation: micro-batches per optimizer step (each of batch_size sequences), and whether their
+    # gradients are reduced only after the last (no_sync: FSDP2 then keeps every unit's unsharded gradients
+    # from the first micro-batch's backward to the last).
+    grad_accum: int = 1
+    no_sync: bool = False
 
     def __post_init__(self):
         check_positive_int("world_size", self.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
@@ -248,6 +253,12 @@ class TrainSetting:
                 or not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout is a probability in [0, 1) (e.g. 0.05), got {self.lora_dropout!r}.")
         check_choice("adapter_dtype", self.adapter_dtype, PRECISIONS)
+        if type(self.grad_accum) is not int or self.grad_accum < 1:
+            raise ValueError(f"grad_accum is a number of micro-batches per optimizer step (1 or more), got "
+                             f"{self.grad_accum!r}.")
+        if self.no_sync and self.grad_accum == 1:
+            raise ValueError("no_sync skips the gradient reduction of all micro-batches but the last: set "
+                             "grad_accum to 2 or more.")
         if self.lora_rank is None and (self.lora_dropout or self.adapter_dtype != "fp32"):
             raise ValueError("lora_dropout and adapter_dtype describe LoRA adapters: set lora_rank (e.g. 16) too.")
 

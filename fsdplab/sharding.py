@@ -458,6 +458,27 @@ def _chunked_loss(model: nn.Module, batch: dict, chunks: int) -> torch.Tensor:
     return total / (labels[:, 1:] != -100).sum().clamp(min=1)
 
 
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, sync: bool):
+    """Forward and backward with the gradients reduced across ranks (`sync`) or kept on this rank to accumulate."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if sync:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:                                   # one process, or the estimator's unwrapped DDP: nothing to skip
+        yield
+
+
 def loss_for(setting: TrainSetting):
     """The loss function (model, batch) a setting's training step uses."""
     if setting.loss_chunks == 1:
@@ -466,15 +487,25 @@ def loss_for(setting: TrainSetting):
 
 
 def train_step(model: nn.Module, optimizer, batch, *, loss_fn=None, scaler=None, counter=None,
-               after_backward=None) -> torch.Tensor:
+               after_backward=None, accumulate: int = 1, no_sync: bool = False,
+               between_micro_batches=None) -> torch.Tensor:
     """loss, backward, (unscale/skip through `scaler`, a GradScaler, for fp16), step, zero_grad.
 
     loss_fn(model, batch) replaces `loss_of`; `after_backward()` runs between backward and the optimizer step
     (memory snapshots, gradient checks); with a `comms.CommCounter` the optimizer's collectives are counted
-    in its "step" section. Returns the loss, detached (a fake tensor under the estimator: no `.item()` here).
+    in its "step" section. `accumulate` micro-batches (the same `batch` each time) go through forward and
+    backward before the step, each loss divided by their number; with `no_sync` the gradients are reduced only
+    after the last (FSDP2's set_requires_gradient_sync, DDP's no_sync); `between_micro_batches()` runs before
+    each after the first (a memory tracker's per-module reset). Returns the last loss, detached (a fake tensor
+    under the estimator: no `.item()` here).
     """
-    loss = (loss_fn or loss_of)(model, batch)
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+    for i in range(accumulate):
+        if i and between_micro_batches is not None:
+            between_micro_batches()
+        with _gradient_sync(model, not no_sync or i == accumulate - 1):
+            loss = (loss_fn or loss_of)(model, batch) / accumulate if accumulate > 1 else \
+                (loss_fn or loss_of)(model, batch)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
     if after_backward is not None:
         after_backward()
     with counter.section("step") if counter is not None else contextlib.nullcontext():

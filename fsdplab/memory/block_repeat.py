@@ -35,6 +35,8 @@ def shallow_twin(setting, config):
     depth = getattr(config, "num_hidden_layers", None)
     if not isinstance(depth, int) or depth < MIN_DEPTH or not setting.per_block:
         return None
+    if setting.grad_accum > 1:          # every block runs once per micro-batch: its windows would repeat
+        return None
     if setting.activation_checkpointing not in (False, True, "selective"):   # every k-th block: blocks differ
         return None
     layer_types = getattr(config, "layer_types", None)

@@ -39,7 +39,7 @@ class _ParameterWithoutGradient(Exception):
 
 
 def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offload=False,
-               state_only_first=False, label_allocations=False, repeat_to=None):
+               state_only_first=False, label_allocations=False, repeat_to=None, accumulate=1, no_sync=False):
     """`steps` training steps under a tracker. Step 1 only creates the optimizer state; each later step's
     peak is recorded and the lowest is kept (identical on fake tensors; on CPU ranks gloo's worker thread
     sometimes frees a collective's buffer a moment late, which only ever adds). Returns
@@ -55,7 +55,8 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
     step 1 would have given it no state): the caller then starts again without the shortcut.
 
     repeat_to (an FSDP2 model of identical blocks, the estimator): every number is that of the same model with
-    `repeat_to` blocks, its middle block's events repeated (fsdplab.memory.block_repeat)."""
+    `repeat_to` blocks, its middle block's events repeated (fsdplab.memory.block_repeat). accumulate, no_sync:
+    micro-batches per step and whether only the last reduces its gradients (sharding.train_step)."""
     from .._torch_private.tracker import make_tracker
     from .offload_view import gpu_side_log
     from ..sharding import train_step
@@ -97,7 +98,9 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
                 _optimizer_state_step(model, optimizer, batch, trained)
                 skipped.append(step)
             else:
-                train_step(model, optimizer, batch, loss_fn=loss_fn, after_backward=after_backward)
+                # torch's trackers refuse a module run twice in one step unless their per-module stats are reset
+                train_step(model, optimizer, batch, loss_fn=loss_fn, after_backward=after_backward,
+                           accumulate=accumulate, no_sync=no_sync, between_micro_batches=tracker.reset_mod_stats)
             # zero_grad has run: parameters and optimizer state are what they were right after the step
             snaps["step"] = tracker.current()
             if step > 0 and repeat_to is not None:
@@ -343,6 +346,11 @@ def _report(setting: TrainSetting, run, seconds: float, say, snapshot_path=None,
                      "dtype, all-reduced through DDP's buckets." if setting.strategy == "ddp" else
                      f"{setting.precision} compute with {stored}; fp32 gradient reduction, as FSDP2's "
                      "MixedPrecisionPolicy does.")
+    if setting.grad_accum > 1:
+        notes.append(f"{setting.grad_accum} micro-batches per optimizer step" + (
+            ", gradients reduced after the last only (no_sync): every unit's unsharded gradients stay from the "
+            "first backward to the last (torch's FSDP tracker counts them as temporaries: 'other')."
+            if setting.no_sync else ", each reducing its gradients."))
     if setting.lora_dropout:
         notes.append(f"LoRA dropout {setting.lora_dropout}: peft keeps each adapted Linear's dropped input for "
                      "lora_A's backward.")
@@ -440,7 +448,8 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
                     batch = {"input_ids": tokens, "labels": tokens}
                 run = _run_steps(net, opt, batch, 2, loss_fn=_loss_fn(point, "cpu"), progress=say,
                                  offload=point.cpu_offload, state_only_first=state_only_first,
-                                 label_allocations=label_allocations, repeat_to=repeat_to)
+                                 label_allocations=label_allocations, repeat_to=repeat_to,
+                                 accumulate=point.grad_accum, no_sync=point.no_sync)
                 if point.strategy == "ddp":
                     run = ddp.with_buckets(run, ddp.bucket_sizes(net, repeat_to))
                 runs.append((run, time.perf_counter() - t0))

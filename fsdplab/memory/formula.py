@@ -154,6 +154,9 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
         raise ValueError("the formula knows transformers models and parameter counts: estimate(setting) traces a "
                          "custom model.")
     spec = spec_of(setting.model)
+    notes = []
+    if setting.grad_accum > 1:
+        notes.append("gradient accumulation is not in the formula (estimate() traces it): one micro-batch's step.")
     n, strategy, precision, optimizer = setting.world_size, setting.strategy, setting.precision, setting.optimizer
     lora_rank, lora_targets, per_block = setting.lora_rank, setting.lora_targets, setting.per_block
     seq_len, batch_size, flash_attention = setting.seq_len, setting.batch_size, setting.flash_attention
@@ -171,7 +174,7 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
         return base_b
 
     state_bytes = 8 if optimizer in ("adam", "adamw") else 4
-    notes, detail = [], {}
+    detail = {}
 
     # Parameter shapes: (shape, trainable, where) with where in {"block", "root"}.
     if spec.is_transformer:

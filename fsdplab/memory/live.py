@@ -17,7 +17,8 @@ from ..settings import EXACT_STRATEGIES, GIB, TrainSetting, as_setting, check_ch
 __all__ = ["measure", "measure_setting"]
 
 
-def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryReport:
+def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None, accumulate: int = 1,
+            no_sync: bool = False) -> MemoryReport:
     """Per-category peak memory of this rank over `steps` real training steps (the lowest peak of the
     steps after the first, which creates the optimizer state; see _run_steps for why the lowest).
 
@@ -36,7 +37,7 @@ def measure(model, optimizer, batch, *, steps: int = 4, loss_fn=None) -> MemoryR
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     peak, by_category, raw, category_peaks, after_backward, after_step, moment, timeline, _ = _run_steps(
-        model, optimizer, batch, steps, loss_fn)
+        model, optimizer, batch, steps, loss_fn, accumulate=accumulate, no_sync=no_sync)
     notes = ["categories from torch's memory tracker (tensor storages, exact bytes on CPU)."]
     buckets = ddp.bucket_bytes(model)
     if buckets:
@@ -91,7 +92,8 @@ def measure_setting(setting: TrainSetting | None = None, /, *, steps: int = 4, s
     else:
         tokens = torch.randint(0, config.vocab_size, (setting.batch_size, setting.seq_len), device=device())
         batch = {"input_ids": tokens, "labels": tokens}
-    report = measure(net, opt, batch, steps=steps, loss_fn=_loss_fn(setting, device().type))
+    report = measure(net, opt, batch, steps=steps, loss_fn=_loss_fn(setting, device().type),
+                     accumulate=setting.grad_accum, no_sync=setting.no_sync)
     report.settings.update(setting.to_dict())
     return report
 

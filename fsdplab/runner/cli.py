@@ -283,6 +283,10 @@ def estimate_command(args) -> int:
     world_sizes = _positive_ints("--world-size", args.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
     _at_least("--lora-rank", args.lora_rank, 1, "16")
     _at_least("--loss-chunks", args.loss_chunks, 1, "8")
+    _at_least("--grad-accum", args.grad_accum, 1, "4")
+    if args.no_sync and args.grad_accum < 2:
+        raise ValueError("--no-sync skips the gradient reduction of every micro-batch but the last: add "
+                         "--grad-accum K (2 or more, e.g. --grad-accum 4).")
     _at_least("--workers", args.workers, 1, "2")
     _at_least("--reshard-to", args.reshard_to, 2, "8")
     for flag, given in (("--lora-targets", args.lora_targets != "all-linear"), ("--lora-dropout", args.lora_dropout),
@@ -309,6 +313,7 @@ def estimate_command(args) -> int:
     setting = TrainSetting(model=resolve_model(args.model), world_size=world_sizes[0], lora_rank=args.lora_rank,
                            lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
                            lora_dropout=args.lora_dropout, adapter_dtype=args.adapter_dtype,
+                           grad_accum=args.grad_accum, no_sync=args.no_sync,
                            batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,
                            optimizer=args.optimizer, activation_checkpointing=_checkpointing(args),
                            strategy=_strategy(args), shard_group_size=args.shard_group_size,
@@ -425,6 +430,10 @@ def main(argv=None) -> int:
                      help="all-linear, attention, or module names separated by commas (e.g. q_proj,v_proj)")
     est.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
                      help="peft's LoRA dropout (e.g. 0.05): each adapted Linear keeps its dropped input")
+    est.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                     help="micro-batches per optimizer step (each of --batch-size sequences)")
+    est.add_argument("--no-sync", action="store_true",
+                     help="with --grad-accum: reduce gradients after the last micro-batch only")
     est.add_argument("--adapter-dtype", default="fp32", choices=PRECISIONS,
                      help="storage dtype of the LoRA adapters (fp32: peft's; bf16 as torchtune and LitGPT)")
     est.add_argument("--seq-len", default="2048", help="tokens per sequence, or a comma list (e.g. 512,1024,2048)")

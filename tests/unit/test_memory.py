@@ -111,6 +111,21 @@ def test_lora_dropout_keeps_the_adapted_inputs_and_16_bit_adapters_halve_their_s
         TrainSetting(lora_rank=8, lora_dropout=1.5)
 
 
+def test_accumulating_without_sync_holds_the_unsharded_gradients_until_the_last_micro_batch():
+    one = estimate(model="tiny", world_size=2, seq_len=64, progress=False)
+    synced = estimate(model="tiny", world_size=2, seq_len=64, grad_accum=4, progress=False)
+    held = estimate(model="tiny", world_size=2, seq_len=64, grad_accum=4, no_sync=True, progress=False)
+    whole = 2 * one.resident["gradients"]                # 2 ranks: a shard each
+    # synced, the sharded gradients accumulate; held, the unsharded ones (under 'other': the tracker's 'Temp')
+    assert synced.category_peaks["gradients"] > one.category_peaks["gradients"]
+    assert held.category_peaks["other"] - synced.category_peaks["other"] >= 0.85 * whole
+    assert held.peak_bytes > synced.peak_bytes
+    assert synced.resident == held.resident == one.resident
+    assert any("no_sync" in n for n in held.notes)
+    with pytest.raises(ValueError, match="grad_accum to 2 or more"):
+        TrainSetting(no_sync=True)
+
+
 def test_a_16_bit_base_halves_the_frozen_weights():
     fp32 = formula(model="qwen-7b", world_size=8, lora_rank=64).resident
     bf16 = formula(model="qwen-7b", world_size=8, lora_rank=64, base_dtype="bf16").resident
@@ -169,7 +184,9 @@ def _live_mismatches(report, est) -> list:
 @pytest.mark.parametrize("setting", [dict(), dict(lora_rank=8), dict(activation_checkpointing=True),
                                      dict(strategy="ddp", precision="fp32"), dict(strategy="ddp", lora_rank=8),
                                      dict(strategy="ddp"), dict(strategy="replicate"), dict(attention="eager"),
-                                     dict(lora_rank=8, lora_dropout=0.1),
+                                     dict(lora_rank=8, lora_dropout=0.1), dict(grad_accum=2),
+                                     dict(grad_accum=2, no_sync=True),
+                                     dict(strategy="ddp", precision="fp32", grad_accum=2, no_sync=True),
                                      dict(lora_rank=8, adapter_dtype="bf16", base_dtype="bf16"),
                                      dict(loss_chunks=4), dict(activation_checkpointing="selective"),
                                      dict(activation_checkpointing=2), dict(use_cache=True), dict(embed_head_units=True)])
