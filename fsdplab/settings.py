@@ -22,7 +22,11 @@ MIB = 1024 ** 2
 STRATEGIES = ("ddp", "replicate", "zero1", "zero2", "shard_grad_op", "full_shard", "hybrid_shard")
 RUNNABLE_STRATEGIES = ("ddp", "replicate", "shard_grad_op", "full_shard", "hybrid_shard")
 FSDP_STRATEGIES = ("shard_grad_op", "full_shard", "hybrid_shard")
-EXACT_STRATEGIES = ("ddp", "replicate", "shard_grad_op", "full_shard", "hybrid_shard")
+# FSDP1 (FullyShardedDataParallel, the posts' API) as its ShardingStrategy names it, and the FSDP2 layout each
+# matches (the formula's model of it).
+FSDP1_STRATEGIES = {"fsdp1_full_shard": "full_shard", "fsdp1_shard_grad_op": "shard_grad_op",
+                    "fsdp1_no_shard": "replicate"}
+EXACT_STRATEGIES = ("ddp", "replicate", "shard_grad_op", "full_shard", "hybrid_shard", *FSDP1_STRATEGIES)
 PRECISIONS = ("fp32", "bf16", "fp16")
 # How the base model's weights are stored: a precision, or QLoRA's 4-bit NF4 (fsdplab.nf4) for the decoder
 # blocks' Linear weights, the rest in bf16.
@@ -176,7 +180,7 @@ class TrainSetting:
 
     def __post_init__(self):
         check_positive_int("world_size", self.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
-        check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("strategy", self.strategy, STRATEGIES + tuple(FSDP1_STRATEGIES))
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("base_dtype", self.base_dtype, BASE_DTYPES)
         if self.base_dtype == "nf4" and self.lora_rank is None:
@@ -256,6 +260,10 @@ class TrainSetting:
         if type(self.grad_accum) is not int or self.grad_accum < 1:
             raise ValueError(f"grad_accum is a number of micro-batches per optimizer step (1 or more), got "
                              f"{self.grad_accum!r}.")
+        if self.strategy in FSDP1_STRATEGIES and self.lora_rank is not None:
+            raise ValueError("FSDP1 with LoRA needs use_orig_params=True (a unit then mixes frozen and trained "
+                             "parameters in one flat parameter), and a trace of that does not match live ranks yet: "
+                             "use FSDP2 (full_shard, shard_grad_op) for LoRA.")
         if self.no_sync and self.grad_accum == 1:
             raise ValueError("no_sync skips the gradient reduction of all micro-batches but the last: set "
                              "grad_accum to 2 or more.")
@@ -277,7 +285,7 @@ class TrainSetting:
         """FSDP2's reshard_after_forward: True (FULL_SHARD), False (SHARD_GRAD_OP), or `reshard_to` ranks."""
         if self.reshard_to is not None and self.reshard_to != self.world_size:
             return self.reshard_to
-        return self.strategy != "shard_grad_op"
+        return self.strategy not in ("shard_grad_op", "fsdp1_shard_grad_op")
 
     @property
     def attention_kind(self) -> str:
@@ -303,7 +311,8 @@ class TrainSetting:
         """Ranks one parameter is split over (1 for DDP and ZeRO's replicated weights)."""
         if self.strategy == "hybrid_shard":
             return self.shard_group_size or min(self.world_size, 8)
-        return self.world_size if self.strategy in FSDP_STRATEGIES else 1
+        strategy = FSDP1_STRATEGIES.get(self.strategy, self.strategy)
+        return self.world_size if strategy in FSDP_STRATEGIES else 1
 
     @property
     def alpha(self) -> int | None:

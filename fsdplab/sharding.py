@@ -18,7 +18,7 @@ from torch import nn
 from .ranks import this_rank
 from .models import blocks_of, causal_lm, config_of, dtype_kwarg
 from .custom import custom_of
-from .settings import OPTIMIZERS, RUNNABLE_STRATEGIES, TrainSetting, check_choice, torch_dtype
+from .settings import FSDP1_STRATEGIES, OPTIMIZERS, RUNNABLE_STRATEGIES, TrainSetting, check_choice, torch_dtype
 
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -176,6 +176,14 @@ def apply_data_parallel(model: nn.Module, setting, mesh, blocks=None) -> nn.Modu
     per_block = setting.per_block and blocks != []
     if setting.strategy == "ddp":
         return apply_ddp(model, process_group=mesh.get_group())
+    if setting.strategy in FSDP1_STRATEGIES:
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+
+        mixed = None if setting.precision == "fp32" else MixedPrecision(
+            param_dtype=torch_dtype(setting.precision), reduce_dtype=torch.float32)
+        return apply_fsdp1(model, mesh.device_type, per_block=per_block, blocks=blocks, mixed_precision=mixed,
+                           sharding_strategy=getattr(ShardingStrategy, setting.strategy.removeprefix("fsdp1_").upper()),
+                           process_group=mesh.get_group())
     if setting.strategy == "replicate":
         return apply_replicate(model, mesh, precision=setting.precision, per_block=per_block, blocks=blocks)
     if setting.strategy not in ("full_shard", "shard_grad_op", "hybrid_shard"):
@@ -185,7 +193,7 @@ def apply_data_parallel(model: nn.Module, setting, mesh, blocks=None) -> nn.Modu
                       per_block=per_block, blocks=blocks, embed_head_units=setting.embed_head_units)
 
 
-def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, **fsdp1_options) -> nn.Module:
+def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, blocks=None, **fsdp1_options) -> nn.Module:
     """The posts' API: `FullyShardedDataParallel(model, ...)` with one unit per block (ModuleWrapPolicy over
     the blocks' class) when `per_block`, the whole model as one unit otherwise. `fsdp1_options` go to
     FullyShardedDataParallel as they are (sharding_strategy, backward_prefetch, cpu_offload,
@@ -195,7 +203,8 @@ def apply_fsdp1(model: nn.Module, device, *, per_block: bool = True, **fsdp1_opt
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     if per_block:
-        fsdp1_options.setdefault("auto_wrap_policy", ModuleWrapPolicy({type(blocks_of(model)[0])}))
+        units = blocks if blocks else blocks_of(model)
+        fsdp1_options.setdefault("auto_wrap_policy", ModuleWrapPolicy({type(b) for b in units}))
     return FullyShardedDataParallel(model, device_id=torch.device(device), **fsdp1_options)
 
 
@@ -461,12 +470,12 @@ def _chunked_loss(model: nn.Module, batch: dict, chunks: int) -> torch.Tensor:
 @contextlib.contextmanager
 def _gradient_sync(model: nn.Module, sync: bool):
     """Forward and backward with the gradients reduced across ranks (`sync`) or kept on this rank to accumulate."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     if sync:
         yield
-    elif isinstance(model, DistributedDataParallel):
+    elif isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)):
         with model.no_sync():
             yield
     elif isinstance(model, FSDPModule):

@@ -126,7 +126,7 @@ def check_private_apis() -> None:
     except ImportError as e:
         problems.append(f"torch.distributed._tools mem trackers: {e}")
     for shim in (fsdp_param_group, checkpoint_wrapper_fn, graph_task_id, fsdp1_default_state_dict_type,
-                 torch_dispatch_mode, replicate_fn, ddp_first_bucket_bytes):
+                 torch_dispatch_mode, replicate_fn, ddp_first_bucket_bytes, fsdp1_flat_param_module):
         try:
             shim()
         except PrivateAPIError as e:
@@ -423,6 +423,30 @@ def local_shard(dtensor):
         return dtensor._local_tensor
     except AttributeError as e:
         raise _missing("DTensor._local_tensor", e) from None
+
+
+@contextlib.contextmanager
+def fsdp1_on_fake_tensors():
+    """Let FSDP1 run on fake tensors: it asserts that an unsharded flat parameter is allocated by its storage's
+    data pointer, which a fake tensor's storage never has (0); its size tells the same on both."""
+    module = fsdp1_flat_param_module()
+    real = module._data_ptr_allocated
+    module._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
+    try:
+        yield
+    finally:
+        module._data_ptr_allocated = real
+
+
+def fsdp1_flat_param_module():
+    """torch.distributed.fsdp._flat_param, with the check FSDP1's flat parameters make of their storage."""
+    try:
+        import torch.distributed.fsdp._flat_param as module
+    except ImportError as e:
+        raise _missing("torch.distributed.fsdp._flat_param", e) from None
+    if not callable(getattr(module, "_data_ptr_allocated", None)):
+        raise _missing("torch.distributed.fsdp._flat_param._data_ptr_allocated", "gone")
+    return module
 
 
 @contextlib.contextmanager

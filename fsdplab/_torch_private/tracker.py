@@ -99,11 +99,12 @@ class _PeakTracker:
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
         # torch's MemTracker (a model that is not FSDP2, such as DDP's) registers a gradient hook on every
-        # parameter, which raises on a frozen one (a LoRA base): mark those as hooked already.
+        # parameter, which raises on a frozen one (a LoRA base) and on a view (FSDP1's use_orig_params): mark
+        # those as hooked already.
         handles = getattr(self, "_param_to_grad_hook_handles", None)
         if install_grad_hooks and handles is not None:
             for p in module.parameters():
-                if not p.requires_grad and handles.get(p) is None:
+                if (not p.requires_grad or not p.is_leaf) and handles.get(p) is None:
                     handles[p] = (_NO_HANDLE, _NO_HANDLE)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 

@@ -37,6 +37,8 @@ def shallow_twin(setting, config):
         return None
     if setting.grad_accum > 1:          # every block runs once per micro-batch: its windows would repeat
         return None
+    if setting.strategy.startswith("fsdp1_"):    # FSDP1's flat parameters: not held to the repeated trace yet
+        return None
     if setting.activation_checkpointing not in (False, True, "selective"):   # every k-th block: blocks differ
         return None
     layer_types = getattr(config, "layer_types", None)

@@ -27,7 +27,7 @@ from ..custom import custom_of
 from .allocator import allocator_view
 from .._torch_private import CATEGORIES
 from .report import CATEGORY_LABELS, MemoryReport
-from ..settings import EXACT_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
+from ..settings import EXACT_STRATEGIES, FSDP1_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
 
 __all__ = ["CATEGORIES", "CATEGORY_LABELS", "MemoryReport", "estimate", "estimate_group", "memory_snapshot"]
 
@@ -375,6 +375,11 @@ def _strategy_notes(setting: TrainSetting) -> list:
                 "the buckets are added as DDP sizes them (fsdplab.memory.ddp)."
                 + (f" {setting.precision} compute is torch.autocast, traced with the CPU's autocast op lists "
                    "(CUDA's keep a few more ops in fp32)." if setting.precision != "fp32" else "")]
+    if setting.strategy in FSDP1_STRATEGIES:
+        return [f"{setting.strategy}: FSDP1 (FullyShardedDataParallel, its default use_orig_params=False) traced on "
+                "fake tensors: each unit's parameters in one flat parameter, its gradient a flat gradient (torch's "
+                "tracker counts FSDP1's sharded gradients as temporaries: 'other'). On a GPU FSDP1 also frees some "
+                "buffers only when another CUDA stream is done with them, which a trace does not see."]
     if setting.strategy == "replicate":
         return ["replicate is FSDP2's replicate(): every rank keeps the fp32 parameters, gradients and optimizer "
                 "state, plus each unit's unsharded copy while it computes."]
@@ -411,7 +416,7 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
     them all. Returns one run per point, each with the seconds it took (the build counted in the first)."""
     import torch
 
-    from .._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode
+    from .._torch_private import eager_attention_masks, fake_process_group, fake_tensor_mode, fsdp1_on_fake_tensors
     from .local_shards import step_local_shards
     from ..sharding import apply_data_parallel, build_model, data_parallel_mesh, make_optimizer
 
@@ -425,10 +430,14 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
         net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
         say("model built on the meta device" + (f" ({config.num_hidden_layers} of {repeat_to} blocks)"
                                                  if repeat_to else ""))
-        if setting.strategy != "ddp":       # DDP's Reducer cannot run on fake tensors: fsdplab.memory.ddp
-            apply_data_parallel(net, setting, mesh, custom_model.blocks(custom, net) if custom else None)
-        with fake_tensor_mode(), eager_attention_masks():
+        units = custom_model.blocks(custom, net) if custom else None
+        fsdp1 = setting.strategy in FSDP1_STRATEGIES
+        if setting.strategy != "ddp" and not fsdp1:   # DDP's Reducer cannot run on fake tensors: memory.ddp
+            apply_data_parallel(net, setting, mesh, units)
+        with fake_tensor_mode(), eager_attention_masks(), fsdp1_on_fake_tensors():
             net.to_empty(device="cpu")
+            if fsdp1:                  # FSDP1 flattens the parameters it wraps: real (here fake) tensors
+                net = apply_data_parallel(net, setting, mesh, custom_model.blocks(custom, net) if custom else None)
             if setting.base_dtype == "nf4":
                 from ..nf4 import place_constants
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .report import MemoryReport
-from ..settings import FSDP_STRATEGIES, GIB, NF4_BYTES_PER_WEIGHT, TrainSetting, as_setting
+from ..settings import FSDP1_STRATEGIES, FSDP_STRATEGIES, GIB, NF4_BYTES_PER_WEIGHT, TrainSetting, as_setting
 
 
 # --- model sizes --------------------------------------------------------------------------------------
@@ -155,6 +155,10 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
                          "custom model.")
     spec = spec_of(setting.model)
     notes = []
+    if setting.strategy in FSDP1_STRATEGIES:
+        notes.append(f"{setting.strategy} is modelled as FSDP2's {FSDP1_STRATEGIES[setting.strategy]} (estimate() "
+                     "traces FSDP1 itself).")
+        setting = setting.replace(strategy=FSDP1_STRATEGIES[setting.strategy])
     if setting.grad_accum > 1:
         notes.append("gradient accumulation is not in the formula (estimate() traces it): one micro-batch's step.")
     n, strategy, precision, optimizer = setting.world_size, setting.strategy, setting.precision, setting.optimizer

@@ -457,7 +457,8 @@ def main(argv=None) -> int:
     est.add_argument("--strategy", choices=EXACT_STRATEGIES, default=None,
                      help="full_shard (default), shard_grad_op, hybrid_shard (sharded inside a node, replicated "
                           "across nodes), ddp (torch's DistributedDataParallel: every rank keeps everything, plus "
-                          "gradient buckets) or replicate (FSDP2's replicate(): DDP's layout on FSDP2)")
+                          "gradient buckets), replicate (FSDP2's replicate(): DDP's layout on FSDP2), or FSDP1's "
+                          "fsdp1_full_shard, fsdp1_shard_grad_op, fsdp1_no_shard (FullyShardedDataParallel)")
     est.add_argument("--shard-group-size", type=int, default=None,
                      help="hybrid_shard: GPUs one parameter is sharded over, usually one node's (default min(N, 8))")
     est.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,

@@ -126,6 +126,18 @@ def test_accumulating_without_sync_holds_the_unsharded_gradients_until_the_last_
         TrainSetting(no_sync=True)
 
 
+def test_fsdp1_is_traced_itself_and_modelled_as_its_fsdp2_layout():
+    one = dict(model="tiny", world_size=2, seq_len=64, precision="fp32")
+    fsdp1 = estimate(strategy="fsdp1_full_shard", progress=False, **one)
+    fsdp2 = estimate(strategy="full_shard", progress=False, **one)
+    assert fsdp1.resident["parameters"] == fsdp2.resident["parameters"]   # a shard of the whole model each
+    assert fsdp1.peak_bytes != fsdp2.peak_bytes and any("FSDP1" in n for n in fsdp1.notes)
+    assert formula(strategy="fsdp1_shard_grad_op", **one).resident == formula(strategy="shard_grad_op",
+                                                                               **one).resident
+    with pytest.raises(ValueError, match="FSDP1 with LoRA"):
+        TrainSetting(strategy="fsdp1_full_shard", lora_rank=8)
+
+
 def test_a_16_bit_base_halves_the_frozen_weights():
     fp32 = formula(model="qwen-7b", world_size=8, lora_rank=64).resident
     bf16 = formula(model="qwen-7b", world_size=8, lora_rank=64, base_dtype="bf16").resident
@@ -187,6 +199,9 @@ def _live_mismatches(report, est) -> list:
                                      dict(lora_rank=8, lora_dropout=0.1), dict(grad_accum=2),
                                      dict(grad_accum=2, no_sync=True),
                                      dict(strategy="ddp", precision="fp32", grad_accum=2, no_sync=True),
+                                     dict(strategy="fsdp1_full_shard", precision="fp32"),
+                                     dict(strategy="fsdp1_shard_grad_op", precision="fp32"),
+                                     dict(strategy="fsdp1_no_shard", precision="fp32"),
                                      dict(lora_rank=8, adapter_dtype="bf16", base_dtype="bf16"),
                                      dict(loss_chunks=4), dict(activation_checkpointing="selective"),
                                      dict(activation_checkpointing=2), dict(use_cache=True), dict(embed_head_units=True)])
