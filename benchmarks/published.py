@@ -1,5 +1,6 @@
 """Published per-GPU peaks against the estimate: `python benchmarks/published.py` prints the markdown table of
-fsdplab.memory.published.CASES (the data, with sources and tolerances). Each case is one full-scale estimate.
+fsdplab.memory.published.CASES (the data, with sources and tolerances). Each case is one full-scale estimate; it
+exits 1 if one leaves its tolerance (CI's tests/unit/test_published.py checks the cases marked in_ci, this all).
 
 `--h200` instead re-estimates the rows measured on an H200 (fsdplab.memory.gpu_measured) that CI does not (the 7B ones,
 about 10 s each on 2 cores), checks each as tests/unit/test_gpu_measured.py checks the small ones, and prints them;
@@ -43,3 +44,7 @@ if __name__ == "__main__":
     print(table(rows))
     for case in CASES:
         print(f"\n- {case.name}: {case.source}. Tolerance: {case.why}.")
+    outside = [r["case"] for r in rows if abs(r["error"]) > r["tolerance"]]
+    if outside:
+        print(f"\noutside their tolerance: {', '.join(outside)}", file=sys.stderr)
+        sys.exit(1)

@@ -112,6 +112,7 @@ class Case:
     tolerance: float             # |estimate / measured - 1| allowed
     why: str                     # the reason for the tolerance
     model: object = field(default=None, repr=False)
+    in_ci: bool = True           # False: benchmarks/published.py holds it to its tolerance (too slow for CI)
 
     def train_setting(self) -> TrainSetting:
         return TrainSetting(model=self.model(), **self.setting)
@@ -149,10 +150,10 @@ CASES = [
     Case("Lightning 1B Transformer, FSDP1 FULL_SHARD, 2 GPUs", _LIGHTNING, 9627 / 1024, "active",
          dict(strategy="fsdp1_full_shard", **_LIGHTNING_SETTING), 0.03,
          "FSDP1 itself, traced on CPU: the GPU's separate streams for all-gathers and reduce-scatters are not seen "
-         "(see SHARD_GRAD_OP in docs/estimator.md)", _lightning_spec),
+         "(see SHARD_GRAD_OP in docs/estimator.md)", _lightning_spec, in_ci=False),
     Case("Lightning 1B Transformer, FSDP1 NO_SHARD, 2 GPUs", _LIGHTNING, 19296 / 1024, "active",
          dict(strategy="fsdp1_no_shard", **_LIGHTNING_SETTING), 0.03,
-         "FSDP1 itself, traced on CPU (as FULL_SHARD)", _lightning_spec),
+         "FSDP1 itself, traced on CPU (as FULL_SHARD)", _lightning_spec, in_ci=False),
 ]
 
 

@@ -81,7 +81,7 @@ def _frees_in_a_row_sorted(events: list) -> list:
 
 
 NUMBER_CASES = ("full fine-tune", "lora, checkpointing, fp16, offload", "qlora: nf4 base, checkpointing, bf16",
-                "ddp (torch's), lora, autocast bf16", "ddp (torch's), full fine-tune, fp32")
+                "ddp (torch's), lora, autocast bf16")
 
 
 @pytest.mark.parametrize("change", [SETTINGS[name] for name in NUMBER_CASES], ids=NUMBER_CASES)

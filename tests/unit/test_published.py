@@ -6,7 +6,10 @@ import pytest
 from fsdplab.memory.published import CASES, compare
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+IN_CI = [c for c in CASES if c.in_ci]     # the others: python benchmarks/published.py (it fails as this does)
+
+
+@pytest.mark.parametrize("case", IN_CI, ids=[c.name for c in IN_CI])
 def test_the_estimate_stays_within_the_stated_tolerance_of_a_published_peak(case):
     row = compare(case)
     print(f"{case.name}: measured {case.measured_gib} GiB {case.kind}, active {row['active_gib']:.2f} GiB "
