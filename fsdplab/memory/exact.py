@@ -297,7 +297,10 @@ def estimate_group(settings: list, progress=False) -> list:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         say = _progress_printer(progress, f"{todo[0].model_name} x{todo[0].world_size}")
         try:
-            runs = _fake_steps(todo[0], config_of(todo[0].model), say, state_only_first=True, points=todo)
+            config = config_of(todo[0].model)
+            # a custom model may make state in its first forward that a later point's tracker would not see
+            runs = None if custom_of(config) is not None else \
+                _fake_steps(todo[0], config, say, state_only_first=True, points=todo)
         except _ParameterWithoutGradient:   # rare (a frozen path): each point on its own, as estimate does
             runs = None
         made = iter([_report(s, run, seconds, say, traced=traced) for s, (run, seconds, traced) in zip(todo, runs)]

@@ -66,3 +66,13 @@ def test_the_cli_estimates_a_module_named_by_its_function(capsys):
     assert data["resident"]["parameters"] == data["resident"]["gradients"]
     assert main(["estimate", "--model", "not_a_module_anywhere:build", "--json"]) != 0
     assert "cannot import 'not_a_module_anywhere'" in capsys.readouterr().err
+
+
+def test_a_sweep_of_a_custom_model_gives_each_point_its_own_estimate():
+    # the demo's forward makes its position table the first time: a model shared between points would hide it
+    from fsdplab.memory import estimate_group
+
+    base = TrainSetting(model=TINY, world_size=2, seq_len=64, precision="fp32", strategy="ddp")
+    swept = estimate_group([base.replace(seq_len=32), base])
+    alone = estimate(base, progress=False, subprocess_mode=False)
+    assert (swept[1].peak_bytes, swept[1].category_peaks) == (alone.peak_bytes, alone.category_peaks)
