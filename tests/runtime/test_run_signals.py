@@ -177,7 +177,10 @@ def test_ctrl_c_while_estimates_run_in_the_background(tmp_path):
     run.signal(signal.SIGINT)
     output = run.finish()
     assert_ended_cleanly(run, output)
-    assert code_states(run.out / "a.ipynb")[2:] == [(3, "interrupted"), (None, "pending")]
+    # papermill marks a cell running before the kernel starts it: a Ctrl-C in between (a loaded machine) leaves
+    # the cell pending, not interrupted; either way the workers and the cache are gone (assert_ended_cleanly)
+    assert code_states(run.out / "a.ipynb")[2:] in ([(3, "interrupted"), (None, "pending")],
+                                                    [(None, "pending"), (None, "pending")])
 
 
 def test_what_a_killed_run_left_is_removed_by_the_next(tmp_path):
