@@ -1,5 +1,6 @@
 """fsdplab.memory: the formula, the fake-tensor estimate and live measurement agree where they must."""
 
+import dataclasses
 import json
 import math
 
@@ -181,6 +182,27 @@ def _close(a, b, rel=0.02):
     return abs(a - b) <= rel * max(a, b, 1)
 
 
+def _match_live(cluster, est, **setting) -> None:
+    """The estimate must match live ranks category by category. On gloo a collective's buffers are freed when
+    gloo's worker thread lets go of them, which on a busy machine can be after the next unit's buffers are made:
+    such a late free only ever adds to a rank's count (seen on one rank in about one run of three with
+    grad_accum=2, 81-148 KiB more 'other'). So the program's own numbers are the smallest a rank shows: up to
+    three measurements are taken, and each category's smallest value over every rank of them must match."""
+    reports = []
+    for _ in range(3):
+        attempt = cluster.run(measure_setting, **setting)
+        if not any(_live_mismatches(report, est) for report in attempt):
+            return
+        reports += attempt
+    smallest = min(reports, key=lambda r: r.peak_bytes)
+    smallest = dataclasses.replace(smallest, category_peaks={
+        name: min(r.category_peaks[name] for r in reports) for name in CATEGORIES})
+    problems = [p for p in _live_mismatches(smallest, est) if p[0] != "resident"]
+    problems += [("resident", r.resident, est.resident) for r in reports if r.resident != est.resident][:1]
+    assert not problems, (f"the estimate matched no rank's smallest live numbers over {len(reports)} rank "
+                          f"measurements: {problems}; every mismatch: {[_live_mismatches(r, est) for r in reports]}")
+
+
 def _live_mismatches(report, est) -> list:
     problems = [] if report.resident == est.resident else [("resident", report.resident, est.resident)]
     problems += [(name, report.category_peaks[name], est.category_peaks[name]) for name in CATEGORIES
@@ -207,16 +229,7 @@ def _live_mismatches(report, est) -> list:
                                      dict(activation_checkpointing=2), dict(use_cache=True), dict(embed_head_units=True)])
 def test_estimate_matches_live_ranks_per_category(cluster, setting):
     est = estimate(model="tiny", world_size=2, seq_len=64, progress=False, **setting)
-    # A live measurement on gloo ranks depends on the machine's load: on a busy 2-core machine one run in a few
-    # holds about 145 KiB more in 'other' (seen at earlier commits as well). The estimate must
-    # match every rank of one of three measurements; each attempt's mismatches are reported.
-    attempts = []
-    for _ in range(3):
-        attempts.append([_live_mismatches(report, est) for report in
-                         cluster.run(measure_setting, model="tiny", world_size=2, seq_len=64, **setting)])
-        if not any(attempts[-1]):
-            return
-    pytest.fail(f"the estimate matched no live measurement of 3: {attempts}")
+    _match_live(cluster, est, model="tiny", world_size=2, seq_len=64, **setting)
 
 
 TINY_TRANSFORMER = "fsdplab.memory.published:lightning_transformer_tiny"
@@ -229,12 +242,7 @@ def test_a_custom_models_estimate_matches_live_ranks_per_category(cluster, setti
     # an nn.Transformer of the user's own (fsdplab.custom), its encoder and decoder layers the units
     setting = dict(dict(model=TINY_TRANSFORMER, world_size=2, seq_len=35, batch_size=2, precision="fp32"), **setting)
     est = estimate(progress=False, **setting)
-    attempts = []
-    for _ in range(3):
-        attempts.append([_live_mismatches(report, est) for report in cluster.run(measure_setting, **setting)])
-        if not any(attempts[-1]):
-            return
-    pytest.fail(f"the estimate matched no live measurement of 3: {attempts}")
+    _match_live(cluster, est, **setting)
 
 
 def _ddp_buckets_after_three_steps(lora_rank):
