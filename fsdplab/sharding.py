@@ -309,10 +309,7 @@ def build_model(setting: TrainSetting, *, device="meta", dtype=None, model_path=
 
 def _build_custom(custom, setting: TrainSetting, device, dtype, seed) -> nn.Module:
     """A model of your own (fsdplab.custom) as build_model makes a transformers one: built on `device`, its base
-    in `dtype`, its blocks checkpointed as the setting asks."""
-    from .custom import check
-
-    check(custom, setting)
+    in `dtype`, its blocks checkpointed as the setting asks (TrainSetting has checked what it can take)."""
     if seed is not None:
         torch.manual_seed(seed)
     with torch.device(device):
@@ -512,8 +509,9 @@ def train_step(model: nn.Module, optimizer, batch, *, loss_fn=None, scaler=None,
         if i and between_micro_batches is not None:
             between_micro_batches()
         with _gradient_sync(model, not no_sync or i == accumulate - 1):
-            loss = (loss_fn or loss_of)(model, batch) / accumulate if accumulate > 1 else \
-                (loss_fn or loss_of)(model, batch)
+            loss = (loss_fn or loss_of)(model, batch)
+            if accumulate > 1:
+                loss = loss / accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()
     if after_backward is not None:
         after_backward()

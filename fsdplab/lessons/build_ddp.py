@@ -12,13 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import RankDied, RankError, RankHang
 from .._torch_private import ddp_first_bucket_bytes, torch_dispatch_mode  # noqa: F401 (the notebook reads the first)
 from ..models import TinyConfig, random_batch
 from ..network import ring_sent_bytes
 from ..ranks import defined, device
 from ..sharding import build_tiny, loss_of
-from .checkers import exercise, first_line, is_stub, ranks_not_ready
+from .checkers import exercise, first_line, is_stub, run_on_ranks
 
 DATA_SEED, MODEL_SEED = 100, 0     # the checkers' seeds: rank r's tensor or batch (DATA_SEED + r...), the weights
 LR, STEPS = 1e-2, 3                # AdamW steps the checkers compare; lr large enough that a wrong update shows
@@ -68,20 +67,16 @@ def _gap(mine, ref) -> float:                # relative L2 distance of two lists
 
 
 def _run_check(cluster, what: str, fn, *args):
-    """(rows, None), or (None, why the check could not run or what stopped it); restarts a broken cluster."""
-    if ranks_not_ready(cluster):
-        return None, ranks_not_ready(cluster)
-    try:
-        rows = cluster.run(fn, *args, timeout=120)
-        error = next((x for x in rows if "error" in x), None)
-        why = error and f"your {what} raised on rank {error['rank']}: {error['error']}"
-        return (None, why or rows[0]["stub"]) if why or "stub" in rows[0] else (rows, None)
-    except (RankError, RankHang, RankDied) as err:     # the learner's errors come back as rows; a hang does not
-        hint = "" if isinstance(err, RankError) else ": does every send have its matching receive on the peer?"
-        return None, f"the check did not finish ({str(err).strip().splitlines()[0]}){hint}"
-    finally:
-        if cluster.running and cluster.broken:
-            cluster.restart()
+    """(rows, None), or (None, why the check could not run or what stopped it); restarts a broken cluster. The
+    learner's errors come back as rows (a row with "error"), or a "stub" row for code not yet written."""
+    rows, why = run_on_ranks(cluster, fn, *args, timeout=120, what=f"your {what}",
+                             hang_hint=": does every send have its matching receive on the peer?")
+    if why:
+        return None, why
+    error = next((x for x in rows if "error" in x), None)
+    if error:
+        return None, f"your {what} raised on rank {error['rank']}: {error['error']}"
+    return (None, rows[0]["stub"]) if "stub" in rows[0] else (rows, None)
 
 
 def _verdict(checks, ok_message: str) -> tuple:

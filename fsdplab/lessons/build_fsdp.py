@@ -24,7 +24,7 @@ from ..models import TinyConfig, blocks_of, random_batch
 from ..network import GB, Link, collective_time, get_link
 from ..ranks import defined, device, mesh, rank, world_size
 from ..sharding import build_tiny, loss_of
-from .checkers import exercise, first_line, is_stub, ranks_not_ready
+from .checkers import exercise, first_line, is_stub, run_on_ranks
 
 # The checkers' model: every dim 0 a multiple of 1, 2 and 4 (no dim-0 padding in FSDP2 at the lab's world sizes),
 # 3 blocks (one not freed after forward shows as 3 at once), SGD for `STEPS`. SHAPES: 15 and 7 need padding.
@@ -295,31 +295,10 @@ def fsdp_verdict(results: list) -> tuple:
                   f"{worst['forward_peak']['forward_peak']} block gathered at once in forward.")
 
 
-def _run_on_ranks(cluster, fn, *args, **kwargs):
-    """(results, None) or (None, the one-line reason the learner's code did not run)."""
-    from .. import RankDied, RankError, RankHang
-
-    if ranks_not_ready(cluster):
-        return None, ranks_not_ready(cluster)
-    try:
-        return cluster.run(fn, *args, quiet=True, **kwargs), None
-    except RankError as err:
-        name, message, _ = err.errors[min(err.errors)]
-        lines = str(message).strip().splitlines()
-        return None, f"your code raised on {len(err.errors)} rank(s): {name}: {lines[0] if lines else ''}"
-    except (RankHang, RankDied) as err:
-        return None, f"the check did not finish: {str(err).splitlines()[0]}"
-    except Exception as err:            # noqa: BLE001 - the learner's error is the answer to show
-        return None, f"your code raised: {first_line(err)}"
-    finally:
-        if cluster.broken:
-            cluster.restart()
-
-
 @exercise("15-my-fsdp")
 def _my_fsdp(answer, *, cluster, timeout: float = 120, **sizes):
     """The learner's hooks (a lesson.Hooks on the ranks, or its name there) next to fully_shard."""
-    results, error = _run_on_ranks(cluster, compare_fsdp, answer, sizes or None, timeout=timeout)
+    results, error = run_on_ranks(cluster, compare_fsdp, answer, sizes or None, timeout=timeout, quiet=True)
     return (False, error) if error else fsdp_verdict(results)
 
 
@@ -371,7 +350,7 @@ _SHARD_SAYS = {
 @exercise("15-shard-gather")
 def _shard_gather(answer, *, cluster, timeout: float = 60):
     """The learner's shard and gather (a pair of functions, or their names on the ranks) on odd sizes."""
-    results, error = _run_on_ranks(cluster, try_shard_gather, answer, timeout=timeout)
+    results, error = run_on_ranks(cluster, try_shard_gather, answer, timeout=timeout, quiet=True)
     if error:
         return False, error
     said = [_SHARD_SAYS[kind].format(*more, shape=shape, **r) for r in results for kind, shape, *more in r["problems"]]

@@ -121,6 +121,31 @@ def ranks_not_ready(cluster, stopped_when: str = "at its end") -> str | None:
     return None
 
 
+def run_on_ranks(cluster, fn, *args, what: str = "your code", said=None, hang_hint: str = "", **kwargs) -> tuple:
+    """Run a code exercise's check on the lesson's ranks: (each rank's result, None), or (None, one line that says
+    why not: the ranks not ready, what `what` raised on how many ranks, a hang or a dead rank plus `hang_hint`).
+    `said(message)` shortens a rank's error message (default: its first line). A group the check broke is
+    restarted, so the cells after it still work."""
+    from .. import RankDied, RankError, RankHang
+
+    why = ranks_not_ready(cluster)
+    if why:
+        return None, why
+    try:
+        return cluster.run(fn, *args, **kwargs), None
+    except RankError as err:
+        name, message, _ = err.errors[min(err.errors)]
+        line = said(message) if said else (str(message).strip().splitlines() or [""])[0]
+        return None, f"{what} raised on {len(err.errors)} rank(s): {name}: {line}"
+    except (RankHang, RankDied) as err:
+        return None, f"the check did not finish: {str(err).strip().splitlines()[0]}{hang_hint}"
+    except Exception as err:            # noqa: BLE001 - e.g. the learner's class cannot travel to the ranks
+        return None, f"{what} raised: {first_line(err)}"
+    finally:
+        if cluster.running and cluster.broken:
+            cluster.restart()
+
+
 def close(answer, expected, *, rel: float = 0.05, hint: str = "", unit: str = "") -> tuple:
     """(ok, message) for a numeric answer within `rel` (relative) of `expected`."""
     if isinstance(answer, (bool, str)):      # float(True) is 1.0 and float("2") is 2.0: neither is an answer

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import re
 
-from .. import RankDied, RankError, RankHang
-from .checkers import exercise, ranks_not_ready
+from .checkers import exercise, run_on_ranks
 
 # The backend the lesson compiles with on CPU ranks. aot_eager traces forward and backward through AOTAutograd,
 # as inductor does, and then runs the graphs with eager kernels: the graphs, breaks and the FSDP interplay are
@@ -353,19 +352,8 @@ def _graph_break(answer, *, cluster, backend: str | None = None, tolerance: floa
     if not inspect.isclass(answer):
         return False, ("expected your block class (class GuardedBlock(Block): ... with its forward), not an instance "
                        "or a function.")
-    why = ranks_not_ready(cluster)
-    if why:
-        return False, why
     backend = backend or pick_backend("cuda" if cluster.backend == "nccl" else "cpu")
     tolerance = tolerance if tolerance is not None else 1e-5 if backend.startswith("aot_eager") else 1e-3
-    try:
-        results = cluster.run(try_block, answer, backend=backend, timeout=timeout, quiet=True, **sizes)
-    except RankError as err:
-        name, message, _ = err.errors[min(err.errors)]
-        return False, f"your block raised on {len(err.errors)} rank(s): {name}: {reason_line(message)}"
-    except (RankHang, RankDied) as err:
-        return False, f"the check did not finish: {str(err).splitlines()[0]}"
-    finally:
-        if cluster.broken:
-            cluster.restart()
-    return block_verdict(results, tolerance)
+    results, why = run_on_ranks(cluster, try_block, answer, backend=backend, timeout=timeout, quiet=True,
+                                what="your block", said=reason_line, **sizes)
+    return (False, why) if why else block_verdict(results, tolerance)

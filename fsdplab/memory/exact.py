@@ -440,7 +440,7 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
         with fake_tensor_mode(), eager_attention_masks(), fsdp1_on_fake_tensors():
             net.to_empty(device="cpu")
             if fsdp1:                  # FSDP1 flattens the parameters it wraps: real (here fake) tensors
-                net = apply_data_parallel(net, setting, mesh, custom_model.blocks(custom, net) if custom else None)
+                net = apply_data_parallel(net, setting, mesh, units)   # the same modules: to_empty keeps them
             if setting.base_dtype == "nf4":
                 from ..nf4 import place_constants
 
