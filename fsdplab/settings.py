@@ -231,9 +231,10 @@ class TrainSetting:
             object.__setattr__(self, "activation_checkpointing", False)
         elif ac == "full" or (type(ac) is int and ac == 1):
             object.__setattr__(self, "activation_checkpointing", True)
-        elif not (isinstance(ac, bool) or ac == "selective" or (isinstance(ac, int) and ac > 1)):
+        elif not (isinstance(ac, bool) or ac in ("selective", "reentrant") or (isinstance(ac, int) and ac > 1)):
             raise ValueError(f"activation_checkpointing must be False, True (every block), an int k > 1 (every "
-                             f"k-th block) or 'selective' (per-op), got {ac!r}.")
+                             f"k-th block), 'selective' (per-op) or 'reentrant' (every block, use_reentrant=True), "
+                             f"got {ac!r}.")
         if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 1:
             raise ValueError(f"loss_chunks must be a positive integer (1: plain cross-entropy; 8 is torchtune's "
                              f"chunked loss), got {self.loss_chunks!r}.")
@@ -304,7 +305,7 @@ class TrainSetting:
     def checkpointed_every(self) -> int | None:
         """Every how many blocks one is checkpointed as a whole (1: all), or None (none, or per-op)."""
         ac = self.activation_checkpointing
-        return None if ac is False or ac == "selective" else 1 if ac is True else ac
+        return None if ac is False or ac == "selective" else 1 if ac in (True, "reentrant") else ac
 
     @property
     def shards(self) -> int:

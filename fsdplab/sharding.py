@@ -74,17 +74,20 @@ def adapters_to(model: nn.Module, dtype: str) -> None:
             module.to(torch_dtype(dtype))
 
 
-def apply_activation_checkpointing(model: nn.Module, blocks=None, *, every: int = 1, selective: bool = False) -> None:
+def apply_activation_checkpointing(model: nn.Module, blocks=None, *, every: int = 1, selective: bool = False,
+                                   reentrant: bool = False) -> None:
     """Recompute blocks in backward instead of storing their activations (non-reentrant, as torch advises):
     every block, every `every`-th block (the first, the (1+every)-th, ...), or with `selective=True` every
-    block under torchtitan's per-op policy (`_torch_private.selective_checkpoint_context`)."""
+    block under torchtitan's per-op policy (`_torch_private.selective_checkpoint_context`). `reentrant`: the
+    older autograd.Function checkpoint (use_reentrant=True, still many trainers' default); a model whose
+    blocks' inputs need no gradient (a frozen embedding under LoRA) needs `enable_input_require_grads`."""
     import functools
 
     from ._torch_private import checkpoint_wrapper_fn, selective_checkpoint_context
 
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive integer (1: every block), got {every!r}.")
-    apply, wrapper = checkpoint_wrapper_fn()
+    apply, wrapper = checkpoint_wrapper_fn(reentrant)
     if selective:
         wrapper = functools.partial(wrapper, context_fn=selective_checkpoint_context)
     chosen = list(blocks if blocks is not None else blocks_of(model))[::every]
@@ -93,12 +96,19 @@ def apply_activation_checkpointing(model: nn.Module, blocks=None, *, every: int 
 
 
 def checkpoint_setting(model: nn.Module, activation_checkpointing, blocks=None) -> None:
-    """A TrainSetting's `activation_checkpointing` (False, True, k or "selective") applied to `model`."""
+    """A TrainSetting's `activation_checkpointing` (False, True, k, "selective" or "reentrant") applied to
+    `model`. Reentrant checkpointing computes a block's gradients only when its input needs one: where the input
+    embedding is frozen (LoRA), its output is made to need one, as transformers' enable_input_require_grads
+    does when a Trainer turns on gradient checkpointing."""
     ac = activation_checkpointing
     if ac is False or ac is None:
         return
-    apply_activation_checkpointing(model, blocks, every=1 if ac in (True, "selective") else ac,
-                                   selective=ac == "selective")
+    reentrant = ac == "reentrant"
+    apply_activation_checkpointing(model, blocks, every=ac if type(ac) is int else 1,
+                                   selective=ac == "selective", reentrant=reentrant)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if reentrant and embed is not None and not embed.weight.requires_grad:
+        embed.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, precision: str = "fp32",

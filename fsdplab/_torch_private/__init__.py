@@ -278,8 +278,9 @@ def resolve_process_group(name: str):
 
 # --- activation checkpointing ------------------------------------------------------------------------------
 
-def checkpoint_wrapper_fn():
-    """(apply_activation_checkpointing, a wrapper factory for non-reentrant checkpointing), torch's own."""
+def checkpoint_wrapper_fn(reentrant: bool = False):
+    """(apply_activation_checkpointing, a wrapper factory for non-reentrant checkpointing, or with `reentrant`
+    the older reentrant one), torch's own."""
     import functools
 
     try:
@@ -287,8 +288,8 @@ def checkpoint_wrapper_fn():
             CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
     except ImportError as e:
         raise _missing("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", e) from None
-    return apply_activation_checkpointing, functools.partial(checkpoint_wrapper,
-                                                             checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    return apply_activation_checkpointing, functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
 
 
 def selective_checkpoint_context():

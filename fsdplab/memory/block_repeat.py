@@ -39,7 +39,7 @@ def shallow_twin(setting, config):
         return None
     if setting.strategy.startswith("fsdp1_"):    # FSDP1's flat parameters: not held to the repeated trace yet
         return None
-    if setting.activation_checkpointing not in (False, True, "selective"):   # every k-th block: blocks differ
+    if setting.activation_checkpointing not in (False, True, "selective", "reentrant"):   # every k-th: blocks differ
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and len(set(layer_types)) > 1:

@@ -134,7 +134,7 @@ def _describe(s: TrainSetting) -> str:
              f"{s.base_dtype} base", s.optimizer]
     ac = s.activation_checkpointing
     if ac:
-        parts.append("checkpointing" if ac is True else f"{ac} checkpointing" if ac == "selective"
+        parts.append("checkpointing" if ac is True else f"{ac} checkpointing" if ac in ("selective", "reentrant")
                      else f"checkpointing every {ac} blocks")
     if s.cpu_offload:
         parts.append("cpu offload")

@@ -244,13 +244,14 @@ def _lora_targets(text: str):
 
 
 def _checkpointing(args):
-    """--activation-checkpointing [full | K | selective | none] as a TrainSetting field."""
+    """--activation-checkpointing [full | K | selective | reentrant | none] as a TrainSetting field."""
     mode = args.activation_checkpointing.strip().lower()
-    if mode in ("none", "full", "selective"):
+    if mode in ("none", "full", "selective", "reentrant"):
         return {"none": False, "full": True}.get(mode, mode)
     if mode.isdigit() and int(mode) >= 1:
         return int(mode)
-    raise ValueError(f"--activation-checkpointing takes full, selective, or K (every K-th block, e.g. 2); "
+    raise ValueError(f"--activation-checkpointing takes full, selective, reentrant, or K (every K-th block, "
+                     f"e.g. 2); "
                      f"got {args.activation_checkpointing!r}.")
 
 
@@ -445,7 +446,8 @@ def main(argv=None) -> int:
     est.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     est.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", metavar="MODE",
                      help="recompute activations in backward: full (every block; the flag alone), K (every K-th "
-                          "block, e.g. 2), or selective (torchtitan's per-op policy)")
+                          "block, e.g. 2), selective (torchtitan's per-op policy), or reentrant (every block, "
+                          "use_reentrant=True)")
     est.add_argument("--attention", default=None, choices=ATTENTIONS,
                      help="transformers' attention: sdpa (its default), flash (flash_attention_2), or eager (stores "
                           "the score matrices)")

@@ -28,6 +28,7 @@ SETTINGS = {
     "replicate, eager attention, sgd": dict(strategy="replicate", attention="eager", optimizer="sgd"),
     "ddp (torch's), lora, autocast bf16": dict(strategy="ddp", lora_rank=8, precision="bf16"),
     "ddp (torch's), full fine-tune, fp32": dict(strategy="ddp", precision="fp32"),
+    "lora, reentrant checkpointing, bf16": dict(lora_rank=8, activation_checkpointing="reentrant", precision="bf16"),
     "qlora: nf4 base, checkpointing, bf16": dict(model=DEEP_NF4, lora_rank=8, base_dtype="nf4",
                                                  activation_checkpointing=True, precision="bf16"),
 }
