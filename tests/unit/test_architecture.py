@@ -56,6 +56,7 @@ WING_OF = {
     "fsdplab.settings": "subject",
     "fsdplab.models": "subject",
     "fsdplab.sharding": "subject",
+    "fsdplab.step": "subject",              # the one train_step
     "fsdplab.nf4": "subject",               # QLoRA's 4-bit base, for the builder and the estimator
     "fsdplab.custom": "subject",            # a model of your own (imports nothing of fsdplab)
     # instruments and files

@@ -112,9 +112,9 @@ def test_one_home_for_units_dtypes_and_the_step():
     dtype_tables = [p.name for p, s in sources.items() if '"bf16": torch.bfloat16' in s]
     assert dtype_tables == ["settings.py"], dtype_tables
     losses = [p.name for p, s in sources.items() if "cross_entropy(" in s]
-    assert losses == ["sharding.py"], losses
+    assert losses == ["step.py"], losses
     steps = [p.name for p, s in sources.items() if ".zero_grad(" in s]
-    assert steps == ["sharding.py"], steps
+    assert steps == ["step.py"], steps
 
 
 def _from_imports(path: Path) -> list:
