@@ -11,6 +11,7 @@
   with FSDP's padding): the 7B numbers of sections 1 and 3;
 - `synced_loop`, `compare_accumulation`: the lab's accumulation loop, and the learner's measured next to it
   on a rank (section 3's code exercise);
+- `plot_one_process`, `plot_memory`: the lesson's two figures (sections 6 and 7, `training_loop_figures`);
 - the exercise checkers.
 """
 
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .checkers import close, exercise
+from .training_loop_figures import plot_memory, plot_one_process  # noqa: F401 (the notebook draws with them)
 
 
 # --- memory: live tensor bytes --------------------------------------------------------------------------
