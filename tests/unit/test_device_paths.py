@@ -33,7 +33,7 @@ def meta_tiny():
 
 
 def test_the_loss_takes_the_targets_to_the_logits_device():
-    from fsdplab.sharding import _token_loss
+    from fsdplab.step import _token_loss
 
     with FakeTensorMode():
         logits = torch.empty(2, 8, 16, device="cuda")       # FSDP2 moved the inputs, so the logits are on cuda
