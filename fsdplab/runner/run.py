@@ -406,8 +406,9 @@ def _kill_kernels() -> None:
 
 
 def _mark_unfinished(path: Path) -> None:
-    """Papermill's notebook of an interrupted run calls every cell "completed"; mark the cells that never ran
-    (no execution count) "pending" and the one that was running "interrupted"."""
+    """Papermill's notebook of an interrupted run calls every cell "completed"; mark those it never started
+    "pending", and the last one it started "interrupted". That cell may have no execution count yet:
+    papermill starts it before the kernel takes it up."""
     import json
 
     try:
@@ -415,13 +416,15 @@ def _mark_unfinished(path: Path) -> None:
     except (OSError, ValueError):
         return
     code = [cell for cell in nb.get("cells", []) if cell.get("cell_type") == "code"]
-    ran = [cell for cell in code if cell.get("execution_count") is not None]
+    started = []
     for cell in code:
         meta = cell.setdefault("metadata", {}).setdefault("papermill", {})
-        if cell.get("execution_count") is None:
+        if meta.get("start_time") or cell.get("execution_count") is not None:
+            started.append(meta)
+        else:
             meta["status"] = "pending"
-    if ran:
-        ran[-1]["metadata"]["papermill"]["status"] = INTERRUPTED
+    if started:
+        started[-1]["status"] = INTERRUPTED
     nb.setdefault("metadata", {}).setdefault("papermill", {})["interrupted"] = True
     path.write_text(json.dumps(nb, indent=1))
 

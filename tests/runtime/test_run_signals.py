@@ -129,8 +129,12 @@ def test_a_second_ctrl_c_still_ends_with_the_summary(tmp_path, when):
     output = run.finish()
     assert_ended_cleanly(run, output)
     assert re.search(r"^a +interrupted ", output, re.M) and re.search(r"^b +not run ", output, re.M)
-    assert code_states(run.out / "a.ipynb") == [(1, "completed"), (2, "completed"), (3, "interrupted"),
-                                                (None, "pending")]
+    # papermill marks a cell running before the kernel takes it up: a Ctrl-C in between leaves it without
+    # an execution count, still the one interrupted, and the cell before it completed
+    assert code_states(run.out / "a.ipynb") in ([(1, "completed"), (2, "completed"), (3, "interrupted"),
+                                                 (None, "pending")],
+                                                [(1, "completed"), (2, "completed"), (None, "interrupted"),
+                                                 (None, "pending")])
 
 
 def _kernel_launching(run: Run) -> bool:
@@ -158,7 +162,8 @@ def test_sigterm_while_the_kernel_starts(tmp_path):
     assert re.search(r"^a +interrupted ", output, re.M) and re.search(r"^b +not run ", output, re.M)
     executed = run.out / "a.ipynb"
     if executed.exists():   # papermill had written its first copy
-        assert code_states(executed) == [(None, "pending"), (None, "pending")]
+        assert code_states(executed) in ([(None, "pending"), (None, "pending")],
+                                         [(None, "interrupted"), (None, "pending")])
 
 
 def test_ctrl_c_while_estimates_run_in_the_background(tmp_path):
@@ -178,9 +183,9 @@ def test_ctrl_c_while_estimates_run_in_the_background(tmp_path):
     output = run.finish()
     assert_ended_cleanly(run, output)
     # papermill marks a cell running before the kernel starts it: a Ctrl-C in between (a loaded machine) leaves
-    # the cell pending, not interrupted; either way the workers and the cache are gone (assert_ended_cleanly)
+    # it without an execution count; either way the workers and the cache are gone (assert_ended_cleanly)
     assert code_states(run.out / "a.ipynb")[2:] in ([(3, "interrupted"), (None, "pending")],
-                                                    [(None, "pending"), (None, "pending")])
+                                                    [(None, "interrupted"), (None, "pending")])
 
 
 def test_what_a_killed_run_left_is_removed_by_the_next(tmp_path):
@@ -240,3 +245,19 @@ def test_only_the_lab_s_own_entries_of_gone_runs_are_removed(tmp_path):
     for kept in (live, unnamed, no_owner, target, tmp_path / "fsdplab-run-03-link"):
         assert kept.exists(), kept
     assert (target / "rank0.log").exists()
+
+
+def test_the_cell_started_last_is_the_one_interrupted(tmp_path):
+    """A Ctrl-C after papermill started a cell but before the kernel took it up: that cell (no execution count
+    yet) is the one interrupted, the one before it stays completed, the rest are pending."""
+    from fsdplab.runner.run import _mark_unfinished
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(str(i)) for i in range(4)]
+    for i, cell in enumerate(nb.cells):   # as papermill leaves them after an interrupt
+        cell.metadata["papermill"] = {"status": "completed", "start_time": "t" if i < 3 else None}
+        cell.execution_count = i + 1 if i < 2 else None
+    path = tmp_path / "a.ipynb"
+    nbformat.write(nb, path)
+    _mark_unfinished(path)
+    assert code_states(path) == [(1, "completed"), (2, "completed"), (None, "interrupted"), (None, "pending")]
