@@ -98,8 +98,8 @@ def apply_activation_checkpointing(model: nn.Module, blocks=None, *, every: int 
 def checkpoint_setting(model: nn.Module, activation_checkpointing, blocks=None) -> None:
     """A TrainSetting's `activation_checkpointing` (False, True, k, "selective" or "reentrant") applied to
     `model`. Reentrant checkpointing computes a block's gradients only when its input needs one: where the input
-    embedding is frozen (LoRA), its output is made to need one, as transformers' enable_input_require_grads
-    does when a Trainer turns on gradient checkpointing."""
+    embedding is frozen (LoRA), transformers' `enable_input_require_grads` makes its output need one, as a
+    Trainer does when it turns on gradient checkpointing (once: each call adds a hook)."""
     ac = activation_checkpointing
     if ac is False or ac is None:
         return
@@ -108,7 +108,11 @@ def checkpoint_setting(model: nn.Module, activation_checkpointing, blocks=None) 
                                    selective=ac == "selective", reentrant=reentrant)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if reentrant and embed is not None and not embed.weight.requires_grad:
-        embed.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+        if hasattr(model, "enable_input_require_grads"):
+            if not getattr(model, "_require_grads_hooks", None):
+                model.enable_input_require_grads()
+        else:   # a model of the user's own with the same door
+            embed.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, precision: str = "fp32",

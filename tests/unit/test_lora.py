@@ -56,20 +56,23 @@ def test_checkpointing_wraps_every_layer_and_keeps_gradients():
     task = L.StringTask("reverse")
     ids, labels = task.batch(4, seed=3)
     grads = []
-    for ckpt in (False, True):
+    for ckpt in (False, True, "reentrant"):
         model = build_model(TrainSetting(model=config, lora_rank=8, activation_checkpointing=ckpt), device="cpu",
                             seed=0)
         layers = blocks_of(model)
         assert len(layers) == config.num_hidden_layers
-        assert all(isinstance(layer, CheckpointWrapper) for layer in layers) == ckpt
+        assert all(isinstance(layer, CheckpointWrapper) for layer in layers) == bool(ckpt)
+        # reentrant under a frozen embedding: transformers' input hook, once
+        assert len(getattr(model, "_require_grads_hooks", [])) == (ckpt == "reentrant")
         model(input_ids=ids, labels=labels).loss.backward()
         grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
                       if p.requires_grad})
         opt = make_optimizer(model, lr=1e-3)
         assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == count_params(model, True)
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name])
+    for other in grads[1:]:
+        assert grads[0].keys() == other.keys()
+        for name in grads[0]:
+            torch.testing.assert_close(grads[0][name], other[name])
 
 
 def test_fsdp1_frozen_gradients():
