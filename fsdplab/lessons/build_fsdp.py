@@ -168,17 +168,24 @@ def _resolve(answer):
     return answer
 
 
-def train(cfg, steps: int = STEPS, hooks: Hooks | None = None, lr: float = LR) -> dict:
-    """On a rank: `steps` SGD steps of the tiny model, sharded by the learner's `hooks` or (None) by `fully_shard`
-    on each block and the root. Counted in the first: the blocks' collectives, blocks gathered at once, grads."""
+def torch_fsdp(model, blocks) -> None:
+    """torch's own FSDP2, as the notebook's reference cell writes it: each block a unit, then the root."""
     from torch.distributed.fsdp import fully_shard
 
+    for block in blocks:
+        fully_shard(block, mesh=mesh())
+    fully_shard(model, mesh=mesh())
+
+
+def train(cfg, steps: int = STEPS, hooks: Hooks | None = None, lr: float = LR, reference=torch_fsdp) -> dict:
+    """On a rank: `steps` SGD steps of the tiny model, sharded by the learner's `hooks` or (None) by `reference`
+    (model, blocks), fully_shard on each block and the root. Counted in the first: the blocks' collectives,
+    blocks gathered at once, grads."""
     LIVE.params = set()             # not what an earlier run that raised half-way left behind
     model = build_tiny(cfg, seed=MODEL_SEED, device=device())
     blocks, rest = blocks_of(model), []
     if hooks is None:
-        for module in blocks + [model]:
-            fully_shard(module, mesh=mesh())
+        reference(model, blocks)
         params = [q for block in blocks for q in block.parameters()]
         trained = list(model.parameters())
     else:
@@ -228,16 +235,17 @@ def _gap(mine, ref) -> tuple:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)), float(a.norm() / b.norm().clamp_min(1e-30))
 
 
-def compare_fsdp(answer, sizes: dict | None = None, steps: int = STEPS) -> dict:
-    """On a rank: the learner's hooks and fully_shard, each for `steps` SGD steps from the same weights on the
-    same batches. Plain data back: gradient and parameter gaps, collectives by kind, blocks gathered at once."""
+def compare_fsdp(answer, sizes: dict | None = None, steps: int = STEPS, reference=torch_fsdp) -> dict:
+    """On a rank: the learner's hooks and `reference` (fully_shard), each for `steps` SGD steps from the same
+    weights on the same batches. Plain data back: gradient and parameter gaps, collectives by kind, blocks
+    gathered at once."""
     hooks = _resolve(answer)
     if not isinstance(hooks, Hooks):
         raise TypeError("expected lesson.Hooks(pre_forward, post_forward, pre_backward, post_backward)")
     if all(is_stub(fn) for fn in hooks):
         return {"stub": True}
     cfg = TinyConfig(**(sizes or CHECK_SIZES))
-    ref, mine = train(cfg, steps), train(cfg, steps, hooks)
+    ref, mine = train(cfg, steps, reference=reference), train(cfg, steps, hooks)
     grad_gap, ratio = _gap(mine["grads"], ref["grads"])
     param_gap, _ = _gap(mine["params"], ref["params"])
     kinds = [{k: row for (k,), row in summarize(side["records"], by=("kind",)).items()} for side in (mine, ref)]
