@@ -1,5 +1,6 @@
-"""Lesson 02 (prefetch and communication) only: the overlap simulator at the lesson's sizes, the prefetch
-gains figure, the claims' verdicts as functions of what the lesson measured, and the exercise checkers.
+"""Lesson 02 (prefetch and communication) only: the overlap simulator at the lesson's sizes, the lesson's two
+figures (bytes per step, prefetch gains), the claims' verdicts as functions of what the lesson measured, the
+summary table, and the exercise checkers.
 
 Claim 4: "FSDP's communication is 40% lower than DDP's". Claim 5: "< 13B or LoRA: use SHARD_GRAD_OP; 70B must
 use FULL_SHARD". Claim 6: "BACKWARD_PRE gives +15-25% throughput, holds two layers' params; forward prefetch
@@ -9,6 +10,7 @@ is experimental".
 from __future__ import annotations
 
 from .checkers import close, exercise
+from ..comms import summarize
 from ..timeline import simulate_step
 
 CLAIM4_RATIO = 0.6          # "40% lower": FSDP = 0.6 x DDP
@@ -21,6 +23,28 @@ SHORT_NAMES = {"NVLink A100 (300 GB/s)": "NVLink A100", "NVLink H100 (450 GB/s)"
                "Ethernet 25 GbE (3.125 GB/s)": "25 GbE", "Ethernet 100 GbE (12.5 GB/s)": "100 GbE"}
 # The three switches compared, as (forward prefetch depth, backward prefetch depth).
 PREFETCH_CASES = {"none": (0, 0), "backward only (BACKWARD_PRE)": (0, 1), "forward only": (1, 0), "both": (1, 1)}
+
+
+# --- the bytes-per-step figure --------------------------------------------------------------------------
+
+def draw_bytes_per_step(ax, runs: dict, unit: float, ddp_sent: float, claim=CLAIM4_RATIO):
+    """Stacked bars of the bytes rank 0 sent in one step, per strategy and (phase, collective), in units of
+    `unit` bytes ((N-1)/N x P), and a dashed line at the claim: `claim` x DDP's `ddp_sent` bytes."""
+    stack = {("forward", "all_gather"): "tab:blue", ("backward", "all_gather"): "tab:cyan",    # bottom to top
+             ("backward", "reduce_scatter"): "tab:orange", ("backward", "all_reduce"): "tab:red"}
+    drawn = {}
+    for x, (s, out) in enumerate(runs.items()):
+        table, bottom = summarize([e for e in out[0]["events"] if e["event"] == "collective"]), 0.0
+        for key in sorted(table, key=lambda k: list(stack).index(k) if k in stack else len(stack)):
+            height = table[key]["sent_bytes"] / unit
+            drawn[key] = ax.bar(x, height, bottom=bottom, color=stack.get(key, "lightgray"))
+            bottom += height
+    claim_line = ax.axhline(claim * ddp_sent / unit, ls="--", color="k")
+    order = sorted(drawn, key=lambda k: -list(stack).index(k) if k in stack else 1)   # top of the stack first
+    ax.legend([drawn[k] for k in order] + [claim_line],
+              [" ".join(k) for k in order] + [f"posts' claim: FSDP = {claim} x DDP"], fontsize=8, loc="upper left")
+    ax.set_xticks(range(len(runs)), [s.upper() for s in runs])
+    ax.set_ylabel("bytes sent per rank per step / ((N-1)/N x P bytes)")
 
 
 # --- the simulator at the lesson's sizes ----------------------------------------------------------------
@@ -106,6 +130,34 @@ def claim6_verdict(backward_units: int, gains, claim=CLAIM6_GAIN) -> str:
     if two and all(inside):
         return "RIGHT"
     return "PARTLY" if two or any(inside) else "WRONG"
+
+
+def summary_table(verdicts, *, ranks: int, num_layers: int, ratio: dict, sent: dict, unit: float, peaks: dict,
+                  fp16_7b_gib: float, live: dict, bwd_gains: list, preset_gain: dict, best: dict, seq: dict) -> str:
+    """The summary's Markdown table: claims 4, 5 and 6, their `verdicts`, and the numbers measured for each
+    (`unit`: (N-1)/N x P bytes; the rest as the lesson's cells name them)."""
+    v4, v5, v6 = verdicts
+    bwd = "backward only (BACKWARD_PRE)"
+    h100 = preset_gain["NVLink H100 (450 GB/s)"]["gains"][bwd]
+    empty_is_default = seq["backward empty list"] == seq["implicit (default)"]
+    rows = [
+        ("4", "FSDP's communication is 40% lower than DDP's", v4,
+         f"bytes sent per rank per step on {ranks} ranks: FULL_SHARD {ratio['full_shard']:.2f} x DDP "
+         f"({sent['full_shard'] / unit:.2f} vs {sent['ddp'] / unit:.2f} x (N-1)/N x P), "
+         f"SHARD_GRAD_OP {ratio['shard_grad_op']:.2f} x DDP; the claim is {CLAIM4_RATIO:.2f} x"),
+        ("5", "< 13B or LoRA: use SHARD_GRAD_OP", v5,
+         f"SHARD_GRAD_OP sends {ratio['shard_grad_op'] / ratio['full_shard']:.2f} x FULL_SHARD's bytes but keeps "
+         f"{peaks['shard_grad_op']['forward']} of {num_layers} blocks gathered from forward to backward (FULL_SHARD "
+         f"{peaks['full_shard']['forward']}): for a 7B model in fp16, {fp16_7b_gib:.1f} GiB on every GPU"),
+        ("6", "BACKWARD_PRE +15-25% throughput, holds two layers", v6,
+         f"blocks unsharded at the backward peak: {live['implicit (default)']['backward']} (the default already); "
+         f"backward prefetch alone gains {min(bwd_gains) * 100:.1f}% to {max(bwd_gains) * 100:.0f}% over the link "
+         f"presets ({h100 * 100:.1f}% on H100 NVLink), at most {best['gains'][bwd] * 100:.0f}% where an all-gather "
+         f"takes {best['ratio']:.2f} x a layer's forward (simulated); `set_modules_to_backward_prefetch([])` "
+         + ("keeps the default order" if empty_is_default else "changes the order")),
+    ]
+    return ("| # | the posts say | verdict | measured here |\n|---|---|---|---|\n"
+            + "\n".join(f"| {n} | {claim} | **{verdict}** | {number} |" for n, claim, verdict, number in rows))
 
 
 # --- exercises ------------------------------------------------------------------------------------------
