@@ -73,3 +73,18 @@ def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache, executed
         assert all(name.startswith(path.stem[:2] + "-") for name in names), f"{lesson}: {names}"
     for name in (path.name, "run_info.json"):   # for tests/lessons/test_site.py: the site is built from these
         shutil.copy(tmp_path / name, executed_lessons / name)
+
+
+# Lessons whose code cells a learner reads without scrolling: at most 20 lines, none over 100 characters.
+READABLE = ("00", "02", "03", "04", "09", "11", "15")
+
+
+@pytest.mark.parametrize("path", [p for p in LESSONS if p.name[:2] in READABLE], ids=lambda p: p.stem)
+def test_code_cells_fit_on_a_screen(path: Path):
+    too_long = {}
+    for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        lines = cell.source.splitlines() if cell.cell_type == "code" else []
+        wide = [n for n, line in enumerate(lines, 1) if len(line) > 100]
+        if len(lines) > 20 or wide:
+            too_long[index] = f"{len(lines)} lines, lines over 100 characters: {wide}"
+    assert not too_long, f"cells to shorten (cell index: what): {too_long}"
