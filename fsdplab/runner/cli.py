@@ -6,17 +6,16 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from . import lab as lab_module
 from . import export
+from .estimate_command import estimate_command
+from .flags import check_folder
 from .run import (INTERRUPTED, declared_parameters, figures_folder, output_lock, print_table,  # noqa: F401
                      run_lessons, stop_signals)
-from ..settings import LORA_TARGETS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"    # shipped with the package
 BACKENDS = ("auto", "gloo", "nccl")
@@ -117,27 +116,6 @@ def pm_defaults(path) -> dict:
     return defaults
 
 
-def check_folder(flag: str, folder: Path, paths=()) -> Path:
-    """Make `folder` (an output folder) or refuse it before anything runs: one line with the fix."""
-    folder = Path(folder).expanduser().resolve()
-    for path in paths:
-        if Path(path).resolve().parent == folder:
-            raise ValueError(f"{flag} {folder} is where the lesson {Path(path).name} lives: the executed copy would "
-                             f"replace it. Choose another folder (the default is runs).")
-    for above in (folder, *folder.parents):
-        if above.exists() and not above.is_dir():
-            raise ValueError(f"{flag} {folder}: cannot write there ({above} is a file, not a "
-                             f"folder); choose a folder you can write to.")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fsdplab-write-test-"):
-            pass
-    except OSError as err:
-        raise ValueError(f"{flag} {folder}: cannot write there ({err.strerror or err}); choose a folder you can "
-                         f"write to.") from None
-    return folder
-
-
 def warn_undeclared(paths, parameters) -> list:
     """Warn (one line on stderr) about each parameter that no selected lesson declares; returns those names."""
     declared = set()
@@ -205,159 +183,6 @@ def run_command(args) -> int:
     if figures.is_dir():
         print(f"figures: {figures}")
     return 1 if failed else 0
-
-
-def _positive_ints(flag: str, text, most: int | None = None, why: str = "") -> list:
-    """'512,1024' -> [512, 1024]: the values of a flag that takes one number or a comma list."""
-    try:
-        values = [int(part) for part in str(text).split(",")]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{flag} takes positive integers separated by commas (e.g. {flag} 4,8), got {text!r}.")
-    if most is not None and max(values) > most:
-        raise ValueError(f"{flag} takes at most {most:,} ({why}), got {text!r}.")
-    return list(dict.fromkeys(values))   # in the order given, each once
-
-
-def _at_least(flag: str, value, least: int, example: str):
-    """`value` of an integer flag (None: not given) if it is `least` or more; else one line."""
-    if value is not None and value < least:
-        raise ValueError(f"{flag} takes an integer of {least} or more (e.g. {flag} {example}), "
-                         f"got {value}.")
-    return value
-
-
-def check_output_file(flag: str, text) -> None:
-    """Refuse a file an estimate would write at the end (a folder, a parent that is a file or
-    read-only) before the estimate runs; a missing parent folder is made, as --out's is."""
-    path = Path(text).expanduser().resolve()
-    if path.is_dir():
-        example = Path(text) / f"step{path.suffix or '.pickle'}"
-        raise ValueError(f"{flag} {text} is a folder: give a file name in it "
-                         f"(e.g. {flag} {example}).")
-    check_folder(flag, path.parent)
-
-
-def _lora_targets(text: str):
-    return text if text in LORA_TARGETS else tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-def _checkpointing(args):
-    """--activation-checkpointing [full | K | selective | reentrant | none] as a TrainSetting field."""
-    mode = args.activation_checkpointing.strip().lower()
-    if mode in ("none", "full", "selective", "reentrant"):
-        return {"none": False, "full": True}.get(mode, mode)
-    if mode.isdigit() and int(mode) >= 1:
-        return int(mode)
-    raise ValueError(f"--activation-checkpointing takes full, selective, reentrant, or K (every K-th block, "
-                     f"e.g. 2); "
-                     f"got {args.activation_checkpointing!r}.")
-
-
-def _strategy(args) -> str:
-    """--strategy, with the older --no-reshard-after-forward meaning shard_grad_op."""
-    strategy = args.strategy or ("full_shard" if args.reshard_after_forward else "shard_grad_op")
-    if not args.reshard_after_forward and strategy != "shard_grad_op":
-        raise ValueError(f"--no-reshard-after-forward is --strategy shard_grad_op; it contradicts --strategy "
-                         f"{strategy}: drop one of them.")
-    if args.shard_group_size is not None and strategy != "hybrid_shard":
-        raise ValueError("--shard-group-size sets hybrid_shard's shard group: add --strategy hybrid_shard.")
-    return strategy
-
-
-def estimate_command(args) -> int:
-    """`fsdplab estimate`: one setting -> the per-category table (or one JSON object) and whether it fits;
-    comma lists, --sweep or --plot -> every combination, as a table, one JSON object, or a heat map."""
-    import json
-
-    from ..memory.exact import estimate
-    from ..models import resolve_model
-    from ..settings import TrainSetting
-    from ..memory.sweep import check, sweep
-
-    from ..settings import MAX_WORLD_SIZE, WORLD_SIZE_BOUND
-
-    # Every flag is checked here, before the model is loaded or any estimate starts.
-    seq_lens = _positive_ints("--seq-len", args.seq_len)
-    batch_sizes = _positive_ints("--batch-size", args.batch_size)
-    world_sizes = _positive_ints("--world-size", args.world_size, MAX_WORLD_SIZE, WORLD_SIZE_BOUND)
-    _at_least("--lora-rank", args.lora_rank, 1, "16")
-    _at_least("--loss-chunks", args.loss_chunks, 1, "8")
-    _at_least("--grad-accum", args.grad_accum, 1, "4")
-    if args.no_sync and args.grad_accum < 2:
-        raise ValueError("--no-sync skips the gradient reduction of every micro-batch but the last: add "
-                         "--grad-accum K (2 or more, e.g. --grad-accum 4).")
-    _at_least("--workers", args.workers, 1, "2")
-    _at_least("--reshard-to", args.reshard_to, 2, "8")
-    for flag, given in (("--lora-targets", args.lora_targets != "all-linear"), ("--lora-dropout", args.lora_dropout),
-                        ("--adapter-dtype", args.adapter_dtype != "fp32")):
-        if given and args.lora_rank is None:
-            raise ValueError(f"{flag} describes LoRA adapters: add --lora-rank (e.g. --lora-rank 16).")
-    for flag, text in (("--plot", args.plot), ("--timeline", args.timeline)):
-        if text and not text.lower().endswith(".png"):
-            raise ValueError(f"{flag} writes a PNG: give a file name ending in .png, got {text!r}.")
-    for flag, text in (("--plot", args.plot), ("--timeline", args.timeline),
-                       ("--memory-snapshot", args.memory_snapshot)):
-        if text:
-            check_output_file(flag, text)      # before the estimate, not after it
-    if not math.isfinite(args.gpu_mem_gib) or args.gpu_mem_gib <= 0:
-        raise ValueError(f"--gpu-mem-gib is a GPU's memory in GiB, a positive number (e.g. 24), got {args.gpu_mem_gib}.")
-    if args.shard_group_size is not None and args.shard_group_size < 1:
-        raise ValueError(f"--shard-group-size is a number of GPUs (1 or more; usually a node's 8), got "
-                         f"{args.shard_group_size}.")
-    for world_size in world_sizes:
-        if args.reshard_to is not None and world_size % args.reshard_to:
-            raise ValueError(f"--reshard-to {args.reshard_to} must divide --world-size "
-                             f"({world_size}): the ranks split into groups of that size "
-                             f"(e.g. --reshard-to 8, one node).")
-    setting = TrainSetting(model=resolve_model(args.model), world_size=world_sizes[0], lora_rank=args.lora_rank,
-                           lora_targets=_lora_targets(args.lora_targets), seq_len=seq_lens[0],
-                           lora_dropout=args.lora_dropout, adapter_dtype=args.adapter_dtype,
-                           grad_accum=args.grad_accum, no_sync=args.no_sync,
-                           batch_size=batch_sizes[0], precision=args.precision, base_dtype=args.base_dtype,
-                           optimizer=args.optimizer, activation_checkpointing=_checkpointing(args),
-                           strategy=_strategy(args), shard_group_size=args.shard_group_size,
-                           cpu_offload=args.cpu_offload, attention=args.attention, loss_chunks=args.loss_chunks,
-                           embed_head_units=args.embed_head_units, use_cache=args.use_cache,
-                           reshard_to=args.reshard_to)
-    for world_size in world_sizes[1:]:
-        setting.replace(world_size=world_size)    # every world size valid before the sweep starts
-    if args.sweep or args.plot or len(seq_lens) * len(batch_sizes) * len(world_sizes) > 1:
-        if args.timeline or args.memory_snapshot:
-            raise ValueError("--timeline and --memory-snapshot show one setting's step: give one --seq-len, "
-                             "--batch-size and --world-size.")
-        result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
-                       gpu_mem_gib=args.gpu_mem_gib, workers=args.workers)
-        if args.plot:
-            from ..display import plot_sweep
-
-            plot_sweep(result, args.plot)
-        print(json.dumps(result.to_dict()) if args.json else result.table())
-        if args.plot and not args.json:
-            print(f"heat map: {args.plot}")
-        return 0
-    check(setting)
-    if args.memory_snapshot:
-        from ..memory.exact import memory_snapshot
-
-        report = memory_snapshot(setting, args.memory_snapshot, progress=not args.json)
-    else:
-        report = estimate(setting, progress=not args.json)
-    if args.json:
-        data = report.to_dict()
-        data.update(gpu_mem_gib=args.gpu_mem_gib, fits=report.fits(args.gpu_mem_gib))
-        print(json.dumps(data))
-    else:
-        print(report.table(gpu_mem_gib=args.gpu_mem_gib))
-        print(f"  ({report.seconds:.1f} s on fake tensors)")
-    if args.timeline:
-        from ..display import memory_over_step_figure
-
-        memory_over_step_figure(report, path=args.timeline)
-        if not args.json:
-            print(f"memory over the step: {args.timeline}")
-    return 0
 
 
 def _one_line_error(parser):
