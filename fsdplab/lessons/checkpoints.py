@@ -3,6 +3,7 @@ reshards a checkpoint, a hung rank's stack in a few lines, and the lesson's exer
 
 `ReadCounter` runs on the ranks (inside `%%ranks` / `cluster.run`), passed to `checkpoint.load_sharded`.
 `run_until_save` and `resume_after_save` run the learner's save and load on the ranks for `05-save-resume`.
+`print_reads` and `print_bit_exact` print section 6's tables, `plot_resume` draws section 8's figure.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from .checkers import close, exercise
 from .. import owned_folders
+from ..settings import MIB
 
 
 def lesson_folder(checkpoint_dir: str = "") -> tuple:
@@ -71,6 +73,78 @@ def read_ratio(counts) -> float:
     its new shard; more when a chunk reaches outside it (straddles an edge, or is bigger than the shard)
     and is loaded whole for part of its rows."""
     return counts["loaded_bytes"] / counts["kept_bytes"]
+
+
+def n_ranks(n: int) -> str:
+    """'1 rank' or 'n ranks'."""
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def print_reads(read_counts: list, total_ratio: float, shard_file_bytes: int) -> None:
+    """Section 6's table of what each loading rank read (`ReadCounter.counts()` per rank), then the total."""
+    print(f"{'loading rank':>12} {'tensor bytes kept':>18} {'chunks read':>12} {'bytes loaded':>13} "
+          f"{'loaded/kept':>12} {'read from files':>16}")
+    for r, c in enumerate(read_counts):
+        print(f"{r:>12} {c['kept_bytes']:>18,} {c['chunks']:>12} {c['loaded_bytes']:>13,} "
+              f"{read_ratio(c):>11.2f}x {c['file_bytes']:>16,}")
+    print(f"all ranks: loaded {total_ratio:.2f}x the tensor bytes they kept; the rest was deserialized and dropped. "
+          f"The checkpoint's shard files hold {shard_file_bytes:,} bytes in all.\n")
+
+
+def _kind(name: str) -> str:
+    """A state entry's kind: 'model parameter' or the AdamW state's name (exp_avg, exp_avg_sq, step)."""
+    return "model parameter" if name.startswith("model.") else "AdamW " + name.rsplit(".", 1)[-1]
+
+
+def print_bit_exact(rows: list, world: int) -> None:
+    """Section 6's table of bit-exact tensors per kind (`rows` from `checkpoint.equal_state`), then the total."""
+    print(f"{'kind':20} {'tensors':>8} {'elements':>10} {'bit-exact':>10}")
+    for kind in sorted({_kind(r[0]) for r in rows}):
+        same = [r for r in rows if _kind(r[0]) == kind]
+        print(f"{kind:20} {len(same):>8} {sum(torch.Size(r[1]).numel() for r in same):>10,} "
+              f"{sum(r[-1] for r in same):>10}")
+    print(f"... {sum(r[-1] for r in rows)}/{len(rows)} tensors bit-exact "
+          f"(model and optimizer) after loading at world size {world}")
+
+
+def plot_resume(before, after, resumed, resharded, single, full_file_bytes: int, shards_saved: dict,
+                shards_resharded: dict, read_counts: list, *, world_size: int, reshard_world_size: int,
+                steps: int):
+    """Section 8's figure: the losses around the checkpoint, the bytes each rank wrote, and what each
+    loading rank kept and loaded; returns it."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(17, 4.4))
+    before_x, after_x = range(steps), range(steps, 2 * steps)
+    ax.plot(before_x, before, "k-o", ms=3, label=f"trained on {n_ranks(world_size)}")
+    ax.plot(after_x, after, "k-", lw=3, alpha=0.35, label="uninterrupted")
+    ax.plot(after_x, resumed, "C0o", ms=7, mfc="none", label=f"resumed on {n_ranks(world_size)}")
+    ax.plot(after_x, resharded, "C1x", ms=7, label=f"resumed on {n_ranks(reshard_world_size)}")
+    ax.plot(after_x, single, "C2+", ms=9, label="resumed in 1 process")
+    ax.axvline(steps - 0.5, color="grey", ls="--")
+    ax.text(steps - 0.4, max(before), " checkpoint", va="top")
+    ax.set(title="Loss before and after resuming from a DCP checkpoint", xlabel="optimizer step",
+           ylabel="loss (cross-entropy, nats)")
+    ax.legend(fontsize=8, loc="lower left")
+    bars = ([("full\nfile\nrank 0", full_file_bytes, "C3")]
+            + [(f"DCP\nrank {r}\nof {world_size}", b, "C0") for r, b in shards_saved.items()]
+            + [(f"DCP\nrank {r}\nof {reshard_world_size}", b, "C1") for r, b in shards_resharded.items()])
+    bx.bar(range(len(bars)), [b / MIB for _, b, _ in bars], color=[c for _, _, c in bars])
+    bx.set_xticks(range(len(bars)), [n for n, _, _ in bars], fontsize=7)
+    bx.set(title="Checkpoint bytes written per rank\n(full file: weights only; DCP: weights + AdamW state)",
+           ylabel="MiB written by the rank")
+    x = range(len(read_counts))
+    cx.bar([i - 0.2 for i in x], [c["kept_bytes"] / MIB for c in read_counts], 0.4, color="C1",
+           label="kept: its new shard")
+    cx.bar([i + 0.2 for i in x], [c["loaded_bytes"] / MIB for c in read_counts], 0.4, color="C1", alpha=0.4,
+           label="loaded: the saved chunks it overlaps, whole")
+    cx.set_xticks(list(x), [f"rank {r}\n(of {reshard_world_size})" for r in x], fontsize=7)
+    cx.set(title=f"Loading the checkpoint of {n_ranks(world_size)} on {n_ranks(reshard_world_size)}\n"
+                 "(tensor bytes per loading rank)",
+           ylabel="MiB", ylim=(0, 1.35 * max(c["loaded_bytes"] for c in read_counts) / MIB))
+    cx.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
 
 
 @exercise("05-reshard-reads")
