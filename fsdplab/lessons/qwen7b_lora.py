@@ -1,6 +1,7 @@
 """Lesson 06 (Qwen-7B LoRA on 8 x A10) only: the posts' setting, Qwen-7B v1's own layer layout and its LoRA
 size, what FSDP1 adds on top of FSDP2 for a LoRA model, the formula over a grid of settings, the verdicts of
-claims 15 and 16, the lesson's dashboard and its exercises (its code exercise is in `lora_fsdp`).
+claims 15 and 16, the lesson's two figures, dashboard, summary and exercises (its code exercise is in
+`lora_fsdp`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,46 @@ def draw_breakdown(ax, labels, reports, extras=None, gpu_gib=A10_GIB, band=POSTS
         ax.axhline(gpu_gib, color="black", linestyle="--", linewidth=1, label=f"A10: {gpu_gib:.2f} GiB")
     ax.set_ylabel("peak memory per GPU (GiB)")
     return bottoms
+
+
+def plot_heatmap(seq_lens, batch_sizes, heat, exact_gib, bars, report_of, fsdp1_extra_bytes, gpu_gib=A10_GIB):
+    """The heat map section's figure: the formula's peak over sequence length x micro-batch (a star where an
+    exact estimate exists) and the exact peaks of `bars` by category, FSDP1's extra on top; returns it."""
+    import matplotlib.pyplot as plt
+
+    from ..display import draw_heatmap
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.6), gridspec_kw={"width_ratios": [1.2, 1]})
+    image = draw_heatmap(ax1, seq_lens, batch_sizes, heat, exact_gib, gpu_gib=gpu_gib)
+    fig.colorbar(image, ax=ax1, label="peak memory per GPU (GiB)")
+    ax1.set_title("Qwen-7B LoRA r=64, 8 GPUs, FULL_SHARD, fp16, checkpointing\n"
+                  f"colour: formula; ★: exact estimate; hatched: over {gpu_gib:g} GiB", fontsize=10)
+    draw_breakdown(ax2, [label for label, _, _ in bars], [report_of[cell] for _, cell, _ in bars],
+                   [fsdp1_extra_bytes * f1 for _, _, f1 in bars], gpu_gib=gpu_gib)
+    ax2.set_title("exact per-GPU peak by category (seq x micro-batch)", fontsize=10)
+    ax2.set_xlabel("API, sequence length x micro-batch")
+    ax2.tick_params(axis="x", labelsize=8)
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def plot_one_knob(variant_gib: dict, variant_exact: dict, gpu_gib=A10_GIB):
+    """The one-knob section's figure: the formula's peak of each variant, a star where it has an exact estimate;
+    returns it."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.bar(list(variant_gib), list(variant_gib.values()), color="#4c72b0", label="formula")
+    ax.plot([list(variant_gib).index(n) for n in variant_exact], list(variant_exact.values()), "*", color="gold",
+            markersize=14, markeredgecolor="black", linestyle="none", label="exact estimate")
+    ax.axhline(gpu_gib, color="black", linestyle="--", label=f"A10 {gpu_gib:g} GiB")
+    ax.set(title="Qwen-7B LoRA on 8 GPUs: one knob changed from the posts' setting",
+           ylabel="peak memory per GPU (GiB)", xlabel="setting")
+    ax.tick_params(axis="x", labelsize=8, labelrotation=20)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
 
 
 # --- what FSDP1 (the posts' API) adds ----------------------------------------------------------------------
@@ -219,6 +260,54 @@ def claim16_verdict(posts_gib: float, fsdp1_gib: dict, band=POSTS_BAND_GIB, sour
                 f"{lo:g}-{hi:g}; with FSDP1's frozen-weight gradients these land inside: {where}.")
     return (f"not reproduced: FSDP2 peaks at {posts_gib:.1f} GiB ({side} {lo:g}-{hi:g}) and no setting "
             "looked at lands in the band with FSDP1 either.")
+
+
+def one_gpu_fit(margin: float) -> str:
+    """Whether LoRA fits on one card without sharding, from `margin`: the card's GiB minus the run's."""
+    if margin < 0:
+        return "does not fit"
+    if margin < 2.5:
+        return ("borderline: it fits on paper, with little left for the CUDA context (a few hundred MiB) and "
+                "the allocator's slack")
+    return "fits"
+
+
+def card_view_line(view: dict) -> str:
+    """What the card would show for a report's `gpu_view`: the allocator's reserve and nvidia-smi's figure."""
+    return (f"on the card: the caching allocator would reserve {view['reserved'] / GIB:.1f} GiB for this step, "
+            f"nvidia-smi would show about {view['nvidia_smi'] / GIB:.1f} GiB (allocator model; CUDA "
+            f"context {view['cuda_context'] / GIB:.2f} GiB, {view['cuda_context_source']}; NCCL "
+            f"{view['nccl'] / GIB:.2f} GiB, {view['nccl_source']}): the figure a reader of "
+            f"nvidia-smi compares with 17-19")
+
+
+def by_setting_line(fsdp2_gib: dict, fsdp1_gib: dict, source: dict) -> str:
+    """The FSDP2 and FSDP1 peaks (GiB) of each (seq, micro-batch) cell and where each comes from."""
+    return ", ".join(f"seq {s} x {b}: {g:.1f} ({fsdp1_gib[s, b]:.1f}, {source[s, b]})"
+                     for (s, b), g in sorted(fsdp2_gib.items()))
+
+
+def summary_markdown(*, claim15: str, ff_verdict: str, one_gpu: float, gpu_gib: float, fit_words: str,
+                     claim16: str, view: dict, v1_lora: int, lora_gap: int, first: float, last: float,
+                     mini_gap: float, mini_accuracy: float) -> str:
+    """The lesson's summary in Markdown: claims 15 and 16, Qwen-7B v1's LoRA size and the miniature's run."""
+    c16 = claim16[:1].upper() + claim16[1:]
+    return f"""
+- **Claim 15, "consumer GPUs; sharding is why a 7B model fits": {claim15}.** The A10 is a
+  datacenter card. Exact estimate: {ff_verdict} For the posts' LoRA run, LoRA is what leaves room: its trained
+  state is tiny; with a 16-bit base one A10 would need about {one_gpu:.1f} GiB by addition, against
+  {gpu_gib:g} GiB: {fit_words}. Sharding splits the frozen weights 8 ways on top.
+- **Claim 16, "17-19 GB per card".** {c16} The fp32 weight shards are only part of the FSDP2 peak; the rest
+  is the fp16 layers in flight, the logits of a 151,936-word vocabulary, and activations. On a real card the caching
+  allocator reserves more than the live tensors: {view['reserved'] / GIB:.1f} GiB for this step by the lab's
+  model of it, and nvidia-smi adds the CUDA context (as measured on an H200 at world size 1) and
+  NCCL's buffers (assumed at 8 ranks: never measured), about
+  {view['nvidia_smi'] / GIB:.1f} GiB in all.
+- **Qwen-7B v1's LoRA r=64** on every Linear is {v1_lora:,} parameters (one fused `c_attn`); the lab's Qwen2
+  layout has {lora_gap:,} more.
+- **The miniature** ran the identical recipe for real: loss {first:.2f} -> {last:.2f}, per-rank measurement and
+  fake-tensor estimate {mini_gap:.2%} apart, the merged adapter {mini_accuracy:.0%} right.
+"""
 
 
 # --- exercises -----------------------------------------------------------------------------------------------
