@@ -6,6 +6,7 @@
   `repair_group_names`: the fix its gloo dumps need in torch 2.13 (see the function);
 - `default_timeouts()`: how long torch waits in a collective by default, the wait a learner sees without the lab;
 - `straggler_score`, `compute_seconds`: a rank's own work per step out of `fsdplab.timeline` traces;
+- `print_witnesses`, `print_straggler`, `plot_straggler`: what sections 3 and 4 print and draw;
 - `reference_step`, `hang_batch` and the rank side of section 5's code exercise (a training step that hangs);
 - the exercise checkers.
 """
@@ -24,6 +25,7 @@ from .checkers import close, exercise
 from ..owned_folders import fresh_owned
 from .. import RankDied, RankError, RankHang
 from ..runtime.tracebacks import rank_list
+from ..timeline import draw_timeline
 
 
 def default_timeouts() -> dict:
@@ -170,6 +172,58 @@ def step_seconds(trace: dict) -> float:
 def straggler_score(values: list) -> float:
     """Slowest over median: 1.0 when every rank does the same work in the same time."""
     return max(values) / statistics.median(values)
+
+
+# --- what the lesson prints and draws ----------------------------------------------------------------------
+
+def print_witnesses(names, lab: dict, analyzer: dict, detail: dict, missing_dumps: dict) -> None:
+    """Section 3's table: per fault, what the lab, torch's analyzer and DETAIL said, and how soon."""
+    for name in names:
+        if name not in lab:
+            print("skipped: 1 rank (the faults need 2 or more)")
+            break
+        d = detail[name]
+        print(f"--- {name}")
+        print(f"    the lab    {lab[name]['outcome']} after {lab[name]['seconds']:.1f} s: "
+              + lab[name]["message"].splitlines()[0])
+        print("    analyzer   " + (analyzer_verdict(analyzer[name]) if name in analyzer
+                                    else f"nothing: no dump from rank(s) {missing_dumps[name]}"))
+        print(f"    DETAIL     {d['outcome']} after {d['seconds']:.2f} s: {detail_summary(d['message'])}")
+
+
+def print_straggler(compute: dict, step_s: dict, *, slow_rank: int, slowest: int, score: float,
+                    score_even: float, expected: float, grew: list, delay: float, spread: float) -> None:
+    """Section 4's table: each rank's compute and step time without and with the straggler, then what they show."""
+    world_size = len(compute["even"])
+    print(f"{'rank':>4} {'compute, even':>14} {'compute, straggler':>19} {'step, even':>11} {'step, straggler':>16}")
+    for r in range(world_size):
+        mark = "  <- straggler" if r == slow_rank and world_size > 1 else ""
+        print(f"{r:>4} {compute['even'][r] * 1e3:>11.1f} ms {compute['straggler'][r] * 1e3:>16.1f} ms "
+              f"{step_s['even'][r] * 1e3:>8.1f} ms {step_s['straggler'][r] * 1e3:>13.1f} ms" + mark)
+    print(f"straggler score (slowest compute / median): {score:.2f}, the slowest compute rank {slowest}'s, with "
+          f"rank {slow_rank} slowed (the planted work alone would give {expected:.2f}); {score_even:.2f} without")
+    grew_ms = f"{min(grew) * 1e3:+.0f}" + (f" to {max(grew) * 1e3:+.0f}" if len(grew) > 1 else "")
+    print(f"the fast ranks' steps grew by {grew_ms} ms for the {delay * 1e3:.0f} ms one other rank added (how much "
+          f"depends on the machine's load): each of their steps waits in collectives for that work"
+          if world_size > 1 else "1 rank: nobody waits for anybody")
+    print(f"with the straggler the ranks' steps take {min(step_s['straggler']) * 1e3:.1f}-"
+          f"{max(step_s['straggler']) * 1e3:.1f} ms: {spread:.0%} apart, against "
+          f"{max(compute['straggler']) / min(compute['straggler']):.1f}x in compute")
+
+
+def plot_straggler(traced: list, *, slow_rank: int, delay: float):
+    """Section 4's figure: one traced step per rank, without and with the straggler; returns it."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 * 2 * len(traced) + 2.5))
+    slowed = f"rank {slow_rank} does {delay * 1e3:.0f} ms more in layer 0's forward"
+    for ax, kind, title in ((axes[0], "even", "every rank does the same work"), (axes[1], "straggler", slowed)):
+        draw_timeline([t[kind] for t in traced], ax=ax, title=f"One step, {title}")
+        end = ax.dataLim.x1                   # each panel its own step, from its start to its end: times on both
+        ax.set_xlim(0, end * 1.02)
+        ax.set_title(f"One step of {end:.0f} ms, {title}")
+    fig.tight_layout()
+    return fig
 
 
 # --- exercise ----------------------------------------------------------------------------------------------
