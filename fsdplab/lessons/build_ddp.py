@@ -1,6 +1,7 @@
 """Lesson 14 (build it yourself, part 1) only: reference solutions (a ring all-reduce, a bucketed DDP, ZeRO-1), a
-log of what each rank sends (`Wire`: point-to-point sends too, which CommCounter does not count), and the checkers
-that run the learner's code, named in the ranks' namespace, next to torch's implementation in the same call."""
+log of what each rank sends (`Wire`: point-to-point sends too, which CommCounter does not count), the checkers
+that run the learner's code, named in the ranks' namespace, next to torch's implementation in the same call, and
+section 2's figure (`plot_overlap`)."""
 
 from __future__ import annotations
 
@@ -253,6 +254,29 @@ def overlap(events: list) -> dict:
     return {"gradients": len(ready), "launches": len(launches),
             "before_last_ready": sum(i < (ready or [-1])[-1] for i in launches),
             "ready_at_first": sum(r < launches[0] for r in ready) if launches else None}
+
+
+def plot_overlap(events: list, sizes: list, bucket_bytes: int):
+    """Section 2's figure: gradient bytes ready during one traced backward, and where each bucket launched."""
+    import matplotlib.pyplot as plt
+
+    ready_bytes, launched_at, total = [], [], 0
+    for e in events:
+        if e[0] == "ready":
+            total += sizes[len(ready_bytes)]
+            ready_bytes.append(total / 1024)
+        elif e[0] == "all_reduce":
+            launched_at.append((len(ready_bytes), total / 1024))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(range(1, len(ready_bytes) + 1), ready_bytes, "C0o-", ms=3, drawstyle="steps-post",
+            label="gradient bytes ready")
+    ax.plot(*zip(*launched_at), "C3v", ms=9, label="bucket all-reduce launched")
+    ax.axvline(len(ready_bytes), color="0.5", ls=":", label="last gradient ready (backward ends)")
+    ax.set(title=f"Reference DDP, rank 0: buckets of {bucket_bytes / 1024:g} KiB launched during backward",
+           xlabel="gradients ready so far (count)", ylabel="gradient bytes ready (KiB)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def ddp_config(dim: int = 32, num_layers: int = 2):
