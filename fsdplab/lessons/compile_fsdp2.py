@@ -1,6 +1,7 @@
 """Lesson 13 (torch.compile with FSDP2) only: a compiler backend that counts the graphs it is given, the first
 line of dynamo's reason for a graph break, the bytes autograd saves for backward, and the checker of the exercise
-in which the learner removes a graph break from a block's forward.
+in which the learner removes a graph break from a block's forward, and what the lesson prints: its tables and
+its summary.
 
 What dynamo tells about graphs and breaks comes from its public API: `torch._dynamo.explain` (graphs, breaks
 and their reasons) and a custom backend (any callable `backend(gm, example_inputs)` that torch.compile accepts,
@@ -203,6 +204,73 @@ def relative_gap(a, b) -> float:
     if len(a) != len(b):
         raise ValueError(f"two runs of different length ({len(a)} and {len(b)} steps): run both with `steps` steps.")
     return max((abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)), default=0.0)
+
+
+# --- what the lesson prints ---------------------------------------------------------------------------------
+
+def print_block_run(eager_losses, block_losses, *, loss_gap: float, graphs: list, num_layers: int,
+                    first_s: float, compile_s: float, compiled_step: float, eager_step: float) -> None:
+    """Print section 1's run: rank 0's losses step by step, eager and compiled per block, the largest gap, the
+    graphs dynamo compiled, and the times (seconds; the steps' the slowest rank's median)."""
+    print(f"{'step':>4} {'eager loss (rank 0)':>20} {'compiled loss':>14}")
+    for step, (e, c) in enumerate(zip(eager_losses, block_losses)):
+        print(f"{step:>4} {e:>20.6f} {c:>14.6f}")
+    print(f"largest relative loss gap, any rank, any step: {loss_gap:.1e}")
+    print(f"dynamo graphs: {len(graphs)} for {num_layers} blocks ({graphs} operations)")
+    print(f"first compiled step {first_s:.2f} s: about {compile_s:.2f} s of compile; "
+          f"later steps {compiled_step * 1e3:.0f} ms compiled, {eager_step * 1e3:.0f} ms eager "
+          "(slowest rank's median)")
+
+
+def print_places(counters: dict, first_s: dict, gaps: dict, strict: dict, explained: dict) -> None:
+    """Print section 2's table (per place of torch.compile: graphs, operations, first step, loss gap, what
+    fullgraph=True says), `explain`'s counts of the whole model sharded and unsharded, and the whole sharded
+    model's fullgraph=True error."""
+    print(f"{'where torch.compile goes':42} {'graphs':>6} {'operations':>10} {'1st step':>9} {'loss gap':>8}"
+          "  fullgraph=True")
+    for w in counters:
+        said = "runs" if strict[w] is None else "fails: " + strict[w][:60] + "..."
+        print(f"{w:42} {len(counters[w]):>6} {sum(counters[w]):>10} {first_s[w]:>7.2f} s {gaps[w]:>8.1e}  {said}")
+    sharded, unsharded = explained["sharded"], explained["unsharded"]
+    print(f"\nexplain, the whole sharded model: {sharded['graphs']} graph(s), {sharded['breaks']} break(s), "
+          f"{sharded['ops']} operations; the same model unsharded: {unsharded['graphs']} graph(s), "
+          f"{unsharded['breaks']} break(s), {unsharded['ops']} operations")
+    print(f"\nfullgraph=True on the whole sharded model:\n  {strict[list(counters)[2]]}")
+
+
+def summary(*, backend: str, steps: int, num_layers: int, block_graphs: list, loss_gap: float, compile_s: float,
+            first_s: dict, counters: dict, strict: dict, explained: dict, planted: dict, planted_strict,
+            saved: dict, change: float, tracker_error) -> str:
+    """The lesson's summary in Markdown, from what its cells measured (named as the cells name them)."""
+    order, after, whole_place = counters
+    cold, warm = compile_s, first_s[order]      # the first compile in a fresh process, and again in a warm one
+    sharded, unsharded = explained["sharded"], explained["unsharded"]
+    whole, logged, fixed = counters[whole_place], planted["LoggedBlock"], planted["LoggedBlockFixed"]
+    return f'''
+## Summary
+
+- **Compile each block, then shard** (torchtitan's order): {len(block_graphs)} graph of {block_graphs[0]} operations,
+  compiled once for all {num_layers} blocks; `fullgraph=True` holds; the losses of {steps} steps equal eager's within
+  {loss_gap:.1e} (relative, backend `{backend}`). The first compile in a fresh rank process took about {cold:.1f} s,
+  the same compile again {warm:.1f} s for the whole first step.
+- **Each block after `fully_shard`**: the same {len(counters[after])} graph, `fullgraph=True`
+  {"holds" if strict[after] is None else "fails"}: `torch.compile(module)` runs the module's hooks outside dynamo.
+- **The whole sharded model** compiles the same {len(whole)} graph of {sum(whole)} operations
+  and no more: FSDP2's hooks are `torch._dynamo.disable`d, the first one breaks the root's forward inside its loop over
+  the blocks, and dynamo runs that whole frame eager. `explain` reports {sharded['breaks']} breaks and
+  {sharded['ops']} operations, against {unsharded['ops']} for the same model unsharded; `fullgraph=True`
+  {"fails at the hook" if strict[whole_place] else "holds"}.
+- **A graph break in a block** (`.item()` in `LoggedBlock`): {logged["graphs"]} graphs and
+  {logged["breaks"]} break in `explain`; kept as a tensor: {fixed["graphs"]} graph,
+  {fixed["breaks"]} breaks. With `fullgraph=True` the `.item()` version
+  {"compiles: the flag does not catch this break" if planted_strict is None else "fails"}.
+- **Memory held for backward** (rank 0, after one forward): eager {saved["eager"]["bytes"]:,} bytes in
+  {saved["eager"]["tensors"]} tensors, `{backend}` {saved[backend]["bytes"]:,} in {saved[backend]["tensors"]},
+  inductor's min-cut partitioner {saved["aot_eager_decomp_partition"]["bytes"]:,} in
+  {saved["aot_eager_decomp_partition"]["tensors"]} (compiled against eager: {change:+.1%}). A compiled step's
+  peak is not measured on CPU ranks: no allocator counter, and the memory tracker
+  {"stops with dynamo's error on a compiled step" if tracker_error else "runs"}.
+'''
 
 
 # --- the exercise: a block without the graph break ----------------------------------------------------------
