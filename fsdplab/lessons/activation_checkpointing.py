@@ -5,7 +5,8 @@
   `checkpoint(..., preserve_rng_state=False)` does to gradients when the block has dropout (on live ranks);
 - claim 11 (the posts' auto-wrap policy and the units it makes) is `fsdplab.lessons.auto_wrap`;
 - claim 20: the posts' ms-swift keys against ms-swift's documented command-line flags;
-- the code exercise ("08-checkpoint-blocks") is in `checkpoint_blocks`.
+- the code exercise ("08-checkpoint-blocks") is in `checkpoint_blocks`;
+- the printed tables, figures and verdict table are in `activation_checkpointing_figures`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import warnings
 import torch
 from torch import nn
 
+from .activation_checkpointing_figures import plot_recompute_flops, plot_saved_bytes  # noqa: F401 (the notebook's)
+from .activation_checkpointing_figures import print_flops, print_saved, verdict_table  # noqa: F401 (the notebook's)
 from .checkers import close, exercise
 
 # What the posts wrote, as data the lesson checks (not verdicts).
