@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comms import CommCounter, make_mesh, toy_step
+from ..comms import CommCounter, make_mesh, summarize, toy_step
 from .checkers import close, exercise
 
 
@@ -111,6 +111,28 @@ def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: i
             "mlp_weight_placements": [str(p) for p in mlp.placements], "mlp_weight_local_shape": tuple(mlp.to_local().shape),
             "mlp_weight_shape": tuple(mlp.shape), "mlp_weight_mesh_dims": list(mlp.device_mesh.mesh_dim_names),
             "mlp_weight_rows": rows}
+
+
+def tp_fsdp_report(tp: list, reference: list, ranks_per_node: int) -> str:
+    """The TP + FSDP run as text: the first MLP weight's placements, each rank's rows and losses next to
+    the single-process ones (`reference_losses`), and rank 0's collectives by phase, kind and mesh dim."""
+    w = tp[0]
+    lines = [f"first MLP weight {w['mlp_weight_shape']}, local shard {w['mlp_weight_local_shape']} on each "
+             "rank; placements:"]
+    for placement, mesh_dim in zip(w["mlp_weight_placements"], w["mlp_weight_mesh_dims"]):
+        lines.append(f"  {placement:10s} {describe_placement(placement, mesh_dim)}")
+    if ranks_per_node == 1:
+        lines.append("  (1 rank per node: the tp dim has size 1, so TP splits nothing here; run with 4 ranks "
+                     "to see it)")
+    for r, out in enumerate(tp):
+        lines.append(f"rank {r} (dp {r // ranks_per_node}, tp {r % ranks_per_node}): holds rows "
+                     f"{row_ranges(out['mlp_weight_rows'])}; losses {out['losses']}  single process: "
+                     f"{[step[r // ranks_per_node] for step in reference]}")
+    events = [e for e in w["events"] if e["event"] == "collective"]
+    for (phase, kind, mesh_dim), row in summarize(events, by=("phase", "kind", "dim")).items():
+        lines.append(f"  {phase:9s} {kind:15s} over {mesh_dim}: x{row['count']:<2d} rank 0 sends "
+                     f"{row['sent_bytes']:>9,.0f} B")
+    return "\n".join(lines)
 
 
 def reference_losses(cfg=None, world_size_dp: int = 2, batch_size: int = 2, seed: int = 0, steps: int = 2) -> list:
@@ -263,6 +285,26 @@ def boundary_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def boundary_report(rows: list) -> str:
+    """What the `measure_boundary` rows say: the wire against the count and the backend's way, per strategy,
+    and how many times fewer bytes HSDP sent across the boundary than FULL_SHARD, three ways."""
+    by = {r["strategy"]: r for r in rows}
+    lines = []
+    if rows[0]["nodes_seen"] < 2:
+        lines.append(f"all ranks share one machine: {rows[0]['interface']} carried every byte between them, "
+                     "inside a node or not, and the cluster's own messages; the wire column is an upper bound here")
+    for r in rows:
+        lines.append(f"{r['strategy'].upper():10s} the interface carried {r['wire'] / r['counted']:.3f}x the "
+                     f"counted bytes; {r['wire'] / r['as_run']:.3f}x the bytes as {r['backend']} runs the "
+                     "collectives")
+    wire_cut = by["full_shard"]["wire"] / by["hsdp"]["wire"]
+    count_cut = by["full_shard"]["counted"] / by["hsdp"]["counted"]
+    lines.append(f"HSDP sent {wire_cut:.2f}x fewer bytes across the node boundary than FULL_SHARD on the wire; "
+                 f"the count says {count_cut:.2f}x, the cost model "
+                 f"{by['full_shard']['model'] / by['hsdp']['model']:.2f}x")
+    return "\n".join(lines)
+
+
 def draw_boundary(rows: list, title: str):
     """Bars per strategy: bytes per step across the node boundary from the interface, the count, the model."""
     import matplotlib.pyplot as plt
@@ -278,6 +320,41 @@ def draw_boundary(rows: list, title: str):
     ax.set_ylabel("MB per step across nodes")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling_cost(bytes_by, node_counts: list, curves: dict, *, num_nodes: int, ranks_per_node: int,
+                      gpus_per_node: int, model_name: str):
+    """Section 2's figure: the counted bytes inside / between nodes (left; `bytes_by` None: not measured) and
+    the cost model's tokens/s against nodes (right; `curves[link]` = {"hsdp": [...], "full_shard": [...]})."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1, 2]})
+    if bytes_by:
+        names = list(bytes_by)
+        intra = [bytes_by[n]["intra"] / 1e6 for n in names]
+        ax1.bar(names, intra, label="inside nodes", color="tab:green")
+        ax1.bar(names, [bytes_by[n]["inter"] / 1e6 for n in names], bottom=intra,
+                label="between nodes", color="tab:red")
+        ax1.set_ylabel("MB per step, all ranks")
+        ax1.legend(fontsize=8)
+        ax1.set_title(f"Collectives counted on {num_nodes} nodes x {ranks_per_node} CPU rank(s);\n"
+                      "inside/between split by the ring model", fontsize=9)
+    else:
+        ax1.text(0.5, 0.5, "no measurement with 1 rank:\nthe split needs 2 nodes", ha="center", va="center")
+        ax1.set_axis_off()
+    for (inter, tput), color in zip(curves.items(), ["tab:red", "tab:orange", "tab:blue", "tab:purple"]):
+        ax2.plot(node_counts, [t / 1e3 for t in tput["hsdp"]], "-o", ms=3, color=color, label=f"HSDP, {inter}")
+        ax2.plot(node_counts, [t / 1e3 for t in tput["full_shard"]], ":", color=color)
+    ax2.set_xlabel(f"nodes ({gpus_per_node} GPUs each, NVLink A100 inside)")
+    ax2.set_ylabel("k tokens / s")
+    ax2.set_title(f"Cost model: {model_name}, fixed global batch; dotted = FULL_SHARD over all GPUs", fontsize=10)
+    handles, labels = ax2.get_legend_handles_labels()
+    handles += [Line2D([], [], color="grey", ls="-", marker="o", ms=3), Line2D([], [], color="grey", ls=":")]
+    labels += ["solid: HSDP (any link's colour)", "dotted: FULL_SHARD over all GPUs (same colour: same link)"]
+    ax2.legend(handles, labels, fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
     return fig
 
