@@ -1,6 +1,7 @@
 """Lesson 01 (sharding math) only: the verdict words of the lesson's claims, each a function of what the
 notebook measured (its experiments, `fully_shard` and DDP on live ranks, are written in its cells), the
-lesson's exercises, and the model of its wrapping exercise, which the lesson has not seen before.
+verdict table, section 2's figure (`plot_replica_table`), the lesson's exercises, and the model of its
+wrapping exercise, which the lesson has not seen before.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from .checkers import close, exercise, first_line, ranks_not_ready
+from ..display import COLORS
 from ..settings import GIB, MIB
 
 NOT_AT_ONE_RANK = "not tested at world size 1"
@@ -115,6 +117,65 @@ def claim18_word(max_saving_bytes: float, claimed_saving_bytes: float) -> str:
     """Claim 18 ("ResNet152: DDP 23 GB vs FSDP 9 GB") from the most FSDP can save (the whole model state minus
     one shard) against the claimed saving."""
     return "wrong" if max_saving_bytes < 0.5 * claimed_saving_bytes else "plausible"
+
+
+def claim17_measured(mixed_state_bytes: int, pure_state_bytes: int, pure_peak_bytes: int,
+                     card_gib: float = 80.0) -> str:
+    """The "measured here" text of claim 17's row: Llama-7B's DDP model state and peak per rank."""
+    over = "more" if mixed_state_bytes / GIB > card_gib else "less"
+    return (f"Llama-7B under DDP with mixed-precision Adam needs {mixed_state_bytes / GIB:.1f} GiB "
+            f"({mixed_state_bytes / 1e9:.0f} GB) of model state per rank, {over} than an 80 GiB card holds "
+            f"before a single activation; pure bf16 weights with bf16 Adam need {pure_state_bytes / GIB:.1f} GiB "
+            f"({pure_state_bytes / 1e9:.0f} GB), peak {pure_peak_bytes / GIB:.1f} GiB: the posts' 78 GB fits "
+            "that reading only")
+
+
+def claim18_measured(state_bytes: float, max_saving_bytes: float, claimed_saving_bytes: float) -> str:
+    """The "measured here" text of claim 18's row: ResNet152's model state and the most FSDP can save."""
+    return (f"ResNet152's model state is {state_bytes / 1e9:.2f} GB: FSDP can save at most "
+            f"{max_saving_bytes / 1e9:.2f} GB of the claimed {claimed_saving_bytes / 1e9:.0f} GB")
+
+
+def verdict_table(words: dict, measured: dict) -> str:
+    """The lesson's verdict table in Markdown: one row per claim, its verdict word and what was measured."""
+    rows = "".join(f"| {claim} | **{words[claim]}** | {measured[claim]} |\n" for claim in words)
+    return "\n| # | verdict | measured here |\n|---|---|---|\n" + rows
+
+
+# --- section 2's figure ------------------------------------------------------------------------------------
+
+def plot_replica_table(table: dict, strategies: list, world_sizes: list, params: int):
+    """Section 2's figure: model state per rank by category, the step peak and 16P/N, for each strategy and
+    group size of `table` (reports by (strategy, group size)); returns it."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    colors = {name: COLORS[name] for name in ("parameters", "gradients", "optimizer_state")}
+    abbr = {"ddp": "DDP", "shard_grad_op": "SGO", "full_shard": "FULL"}
+    width, ticks, names, seen = 0.28, [], [], set()
+    for i, size in enumerate(world_sizes):
+        for j, strategy in enumerate(strategies):
+            r, x, bottom = table[strategy, size], i + (j - 1) * width, 0.0
+            for cat, color in colors.items():
+                value = r.resident[cat] / 2**20
+                ax.bar(x, value, width * 0.9, bottom=bottom, color=color,
+                       label=None if cat in seen else cat.replace("_", " "))
+                seen.add(cat)
+                bottom += value
+            ax.plot(x, r.peak_bytes / 2**20, marker="v", color="black", linestyle="none",
+                    label=None if "peak" in seen else "step peak")
+            seen.add("peak")
+            ticks.append(x)
+            names.append(f"{abbr[strategy]}\nN={size}" if j == 1 else abbr[strategy])
+        ax.hlines(16 * params / size / 2**20, i - 1.5 * width, i + 1.5 * width, colors="black", linestyles="--",
+                  label=None if "16" in seen else "16P/N")
+        seen.add("16")
+    ax.set_xticks(ticks, names, fontsize=8)
+    ax.set_ylabel("memory per rank (MiB)")
+    ax.set_xlabel("strategy and ranks in the group (SGO: SHARD_GRAD_OP, FULL: FULL_SHARD)")
+    ax.set_title("Replica table, measured: model state per rank vs 16P/N (tiny transformer, fp32 Adam)")
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
 
 
 # --- exercises ---------------------------------------------------------------------------------------------
