@@ -13,6 +13,7 @@ from torch import nn
 
 from .checkers import exercise
 from .activation_checkpointing import block_names, build, token_batch
+from .qwen_v1 import qwen_v1_model
 
 # What the posts wrote, as data the lesson checks (not a verdict).
 POSTS_MIN_NUM_PARAMS = 1e7
@@ -68,8 +69,6 @@ def policy_units(model: nn.Module, policy) -> list:
 def qwen_v1_meta(config=None) -> nn.Module:
     """Qwen-7B v1 as its own modeling code lays it out (the posts' model), on the meta device: per block ONE
     fused `attn.c_attn` (q, k and v together). The lab's Qwen2 classes split c_attn into q/k/v: more units at 1e7."""
-    from ..models import qwen_v1_model
-
     return qwen_v1_model(config)
 
 

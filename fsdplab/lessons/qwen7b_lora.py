@@ -42,13 +42,12 @@ QWEN_V1_LORA_TARGETS = ["c_attn", "c_proj", "w1", "w2"]
 def qwen_v1_counts(rank: int = 64, config=None) -> dict:
     """Parameters of Qwen-7B v1 in its own layout: `base` (the whole model) and `lora` (peft's LoRA adapters of
     rank `rank` on every Linear of every layer, counted by peft on one meta-device layer times the layers)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model   # deferred, as torch: the runner imports this module
 
     from ..models import hf_config
+    from .qwen_v1 import qwen_v1_layer
 
     c = config or hf_config("qwen-7b")
-    from ..models import qwen_v1_layer
-
     layer = qwen_v1_layer(c)
     per_layer = sum(p.numel() for p in layer.parameters())
     adapted = get_peft_model(layer, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=QWEN_V1_LORA_TARGETS))
