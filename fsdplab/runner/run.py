@@ -409,8 +409,6 @@ def _mark_unfinished(path: Path) -> None:
     """Papermill's notebook of an interrupted run calls every cell "completed"; mark those it never started
     "pending", and the last one it started "interrupted". That cell may have no execution count yet:
     papermill starts it before the kernel takes it up."""
-    import json
-
     try:
         nb = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -431,8 +429,6 @@ def _mark_unfinished(path: Path) -> None:
 
 def _put_in_place(running: Path, final: Path) -> bool:
     """Move papermill's output to its name if it is a whole notebook; False (and removed) when it is not."""
-    import json
-
     try:
         json.loads(running.read_text())
         os.replace(running, final)
