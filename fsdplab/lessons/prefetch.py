@@ -9,7 +9,7 @@ is experimental".
 
 from __future__ import annotations
 
-from .checkers import close, exercise
+from .checkers import exercise
 from ..comms import summarize
 from ..timeline import simulate_step
 

@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .report import MemoryReport
 from ..settings import GIB, MIB, TrainSetting
 
 

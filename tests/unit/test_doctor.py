@@ -4,7 +4,6 @@ the exit code, and the notebook's call, which must leave CUDA to a child process
 import json
 import os
 import stat
-import sys
 from types import SimpleNamespace
 
 import pytest

@@ -167,7 +167,7 @@ def test_plan_by_gpu_count(tmp_path):
     assert two["03_lessons_ws2_nccl"]["env"]["CUDA_VISIBLE_DEVICES"] == "0,1" and "03b_lessons_ws4_nccl" not in two
     # A set mask is kept: the GPUs are the mask's.
     masked = plan({**gpus(2), "cuda_visible_devices": "4,6"}, tmp_path, "py")
-    assert {s["name"]: s for p in masked for l in p for s in l}["05_recipe_bf16"]["env"]["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert {s["name"]: s for p in masked for line in p for s in line}["05_recipe_bf16"]["env"]["CUDA_VISIBLE_DEVICES"] == "4,6"
     # EXCLUSIVE_PROCESS: a GPU takes one process, so nothing runs side by side.
     exclusive = names(plan(gpus(4, "Exclusive_Process"), tmp_path, "py"))
     assert len(exclusive[1]) == 1 and exclusive[1][0][0] == "02_lessons_ws1"
