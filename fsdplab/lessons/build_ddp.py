@@ -270,7 +270,8 @@ def plot_overlap(events: list, sizes: list, bucket_bytes: int):
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(range(1, len(ready_bytes) + 1), ready_bytes, "C0o-", ms=3, drawstyle="steps-post",
             label="gradient bytes ready")
-    ax.plot(*zip(*launched_at), "C3v", ms=9, label="bucket all-reduce launched")
+    if launched_at:   # none where no gradient was ready, or all-reduces were left to after backward
+        ax.plot(*zip(*launched_at), "C3v", ms=9, label="bucket all-reduce launched")
     ax.axvline(len(ready_bytes), color="0.5", ls=":", label="last gradient ready (backward ends)")
     ax.set(title=f"Reference DDP, rank 0: buckets of {bucket_bytes / 1024:g} KiB launched during backward",
            xlabel="gradients ready so far (count)", ylabel="gradient bytes ready (KiB)")

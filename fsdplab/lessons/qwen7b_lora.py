@@ -291,6 +291,13 @@ def summary_markdown(*, claim15: str, ff_verdict: str, one_gpu: float, gpu_gib: 
                      mini_gap: float, mini_accuracy: float) -> str:
     """The lesson's summary in Markdown: claims 15 and 16, Qwen-7B v1's LoRA size and the miniature's run."""
     c16 = claim16[:1].upper() + claim16[1:]
+    if view:
+        card = (f"allocator reserves more than the live tensors: {view['reserved'] / GIB:.1f} GiB for this step by the "
+                "lab's\n  model of it, and nvidia-smi adds the CUDA context (as measured on an H200 at world size 1) "
+                "and\n  NCCL's buffers (assumed at 8 ranks: never measured), about\n  "
+                f"{view['nvidia_smi'] / GIB:.1f} GiB in all.")
+    else:
+        card = "allocator reserves more than the live tensors; this estimate has no model of the card's view."
     return f"""
 - **Claim 15, "consumer GPUs; sharding is why a 7B model fits": {claim15}.** The A10 is a
   datacenter card. Exact estimate: {ff_verdict} For the posts' LoRA run, LoRA is what leaves room: its trained
@@ -298,10 +305,7 @@ def summary_markdown(*, claim15: str, ff_verdict: str, one_gpu: float, gpu_gib: 
   {gpu_gib:g} GiB: {fit_words}. Sharding splits the frozen weights 8 ways on top.
 - **Claim 16, "17-19 GB per card".** {c16} The fp32 weight shards are only part of the FSDP2 peak; the rest
   is the fp16 layers in flight, the logits of a 151,936-word vocabulary, and activations. On a real card the caching
-  allocator reserves more than the live tensors: {view['reserved'] / GIB:.1f} GiB for this step by the lab's
-  model of it, and nvidia-smi adds the CUDA context (as measured on an H200 at world size 1) and
-  NCCL's buffers (assumed at 8 ranks: never measured), about
-  {view['nvidia_smi'] / GIB:.1f} GiB in all.
+  {card}
 - **Qwen-7B v1's LoRA r=64** on every Linear is {v1_lora:,} parameters (one fused `c_attn`); the lab's Qwen2
   layout has {lora_gap:,} more.
 - **The miniature** ran the identical recipe for real: loss {first:.2f} -> {last:.2f}, per-rank measurement and
