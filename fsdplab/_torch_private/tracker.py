@@ -7,40 +7,7 @@ from __future__ import annotations
 
 from . import (CATEGORIES, OFFLOADED, TRACKER_TO_CATEGORY, _missing, fake_device_query, fsdp_param_groups,
                tracker_skips_other_fake_modes)
-
-
-def _category_totals(snapshot: dict, skip=()) -> dict:
-    totals = dict.fromkeys(CATEGORIES, 0)
-    for key, value in snapshot.items():
-        name = getattr(key, "value", key)
-        if name == "Total" or name in skip:
-            continue
-        totals[TRACKER_TO_CATEGORY.get(name, "other")] += value
-    return totals
-
-
-def _raw(snapshot: dict) -> dict:
-    return {getattr(k, "value", k): int(v) for k, v in snapshot.items()}
-
-
-def _split(snap: dict, key_category: dict, offloaded: set, category_max: dict, offload_category_max: dict):
-    """The live bytes of `snap` by category (cats), by category of what stays on the device under offload
-    (kept), and the offloaded bytes (off); raises each category's maximum to them."""
-    cats, kept, off = {}, {}, 0
-    for k, v in snap.items():
-        c = key_category.get(k)
-        if c is None or not v:
-            continue
-        cats[c] = cats.get(c, 0) + v
-        if k in offloaded:
-            off += v
-        else:
-            kept[c] = kept.get(c, 0) + v
-    for found, maxima in ((cats, category_max), (kept, offload_category_max)):
-        for c, v in found.items():
-            if v > maxima.get(c, 0):
-                maxima[c] = v
-    return cats, kept, off
+from .snapshots import category_totals, memory_over_step, raw_categories, split_categories
 
 
 def _storage_tensors(tensor) -> list:
@@ -85,7 +52,7 @@ class _PeakTracker:
     _snap_changes, _snap_seen = 0, -1
 
     def _init_peaks(self, key_category: dict, offloaded_keys: set):
-        self._key_category, self._offloaded_keys = key_category, offloaded_keys
+        self.key_category, self.offloaded_keys = key_category, offloaded_keys
         self.offload_peak, self.offload_peak_snap = 0, {}
         self.category_max, self.offload_category_max = {}, {}
         self._device_query = fake_device_query()
@@ -360,7 +327,7 @@ class _PeakTracker:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
                 self.peak_at = moment = self._moment()
-            cats, kept, off = _split(snap, self._key_category, self._offloaded_keys,
+            cats, kept, off = split_categories(snap, self.key_category, self.offloaded_keys,
                                      self.category_max, self.offload_category_max)
             on_device = snap["Total"] - off
             if on_device > self.offload_peak:
@@ -408,27 +375,14 @@ class _PeakTracker:
         self.start_alloc_log()
 
     def memory_over_step(self, offload: bool = False, points: int = 600) -> dict:
-        """The tracked region's bytes per category at each change (at most `points`, evenly picked, the peak
-        always among them), with the phase of each: {"phase": [...], "<category>": [...]}."""
-        rows = self.timeline
-        if not rows:
-            return {}
-        totals = [sum((kept if offload else cats).values()) for _, cats, kept in rows]
-        top = max(range(len(rows)), key=totals.__getitem__)
-        # Every phase keeps its first and last event: a short optimizer step (few, large allocations) shows too.
-        edges = {i for i in range(len(rows)) if i in (0, len(rows) - 1) or rows[i][0] != rows[i - 1][0]
-                 or rows[i][0] != rows[i + 1][0]}
-        keep = sorted(set(range(0, len(rows), max(1, len(rows) // points))) | {top} | edges)
-        out = {"phase": [rows[i][0] for i in keep]}
-        for c in CATEGORIES:
-            out[c] = [int((rows[i][2] if offload else rows[i][1]).get(c, 0)) for i in keep]
-        return out
+        """The tracked region's bytes per category at each change (snapshots.memory_over_step)."""
+        return memory_over_step(self.timeline, offload, points)
 
     def current(self) -> dict:
         """Raw tracker categories live right now (bytes, summed over devices)."""
         out: dict = {}
         for snap in self.get_tracker_snapshot("current").values():
-            for k, v in _raw(snap).items():
+            for k, v in raw_categories(snap).items():
                 out[k] = out.get(k, 0) + v
         return out
 
@@ -442,74 +396,12 @@ class _PeakTracker:
         """(peak bytes, six categories at the peak, raw tracker categories at the peak)."""
         if offload:
             snap = self.offload_peak_snap
-            return int(self.offload_peak), _category_totals(snap, skip=OFFLOADED), _raw(snap)
+            return int(self.offload_peak), category_totals(snap, skip=OFFLOADED), raw_categories(snap)
         snaps = self.get_tracker_snapshot("peak")
         if not snaps:
             return 0, dict.fromkeys(CATEGORIES, 0), {}
         snap = max(snaps.values(), key=lambda s: s["Total"])
-        return int(snap["Total"]), _category_totals(snap), _raw(snap)
-
-
-def replay_step(tracker, preloaded, events, offload: bool = False):
-    """What `_update_peak_stats` and the allocation log would have given for a step recorded as `events`
-    (fsdplab.memory.block_repeat makes such a step from a traced one): (peak, six categories at the peak, raw
-    categories at the peak, each category's peak, the moment of the peak, the memory over the step, the
-    allocation log or None under offload, {mark name or "end": raw categories then})."""
-    from types import SimpleNamespace
-
-    from . import STREAM_OF
-
-    if len(tracker.start) != 1:
-        raise ValueError("a recorded step replays on one device")
-    [start] = tracker.start.values()
-    snap = dict.fromkeys(start, 0)
-    log = []
-    for serial, size, kind in preloaded:
-        snap[kind] += size
-        snap["Total"] += size
-        log.append(("+", serial, size, STREAM_OF.get(kind.value, 0), kind.value))
-    preloaded_count = len(log)
-    key_category, offloaded = tracker._key_category, tracker._offloaded_keys
-    peak, peak_snap, peak_at = snap["Total"], dict(snap), {}
-    offload_peak, offload_snap, offload_at = 0, {}, {}
-    category_max, offload_category_max, rows, marks = {}, {}, [], {}
-    for e in events:
-        op = e[0]
-        if op == "+" or op == "-":
-            size = e[2] if op == "+" else -e[2]
-            snap[e[3]] += size
-            snap["Total"] += size
-            if e[2]:
-                log.append(("+", e[1], e[2], STREAM_OF.get(e[3].value, 0), e[3].value) if op == "+" else ("-", e[1]))
-        elif op == "s":
-            snap[e[4]] += e[3] - e[2]
-            snap["Total"] += e[3] - e[2]
-            if e[2]:
-                log.append(("-", e[1]))
-            if e[3]:
-                log.append(("+", e[1], e[3], STREAM_OF.get(e[4].value, 0), e[4].value))
-        elif op == "r":
-            snap[e[3]] -= e[2]
-            snap[e[4]] += e[2]
-        elif op == "m":
-            marks[e[1]] = _raw(snap)
-        else:                                       # "c": as _update_peak_stats
-            moment = e[1]
-            if peak < snap["Total"]:
-                peak, peak_snap, peak_at = snap["Total"], dict(snap), moment
-            cats, kept, off = _split(snap, key_category, offloaded, category_max, offload_category_max)
-            if snap["Total"] - off > offload_peak:
-                offload_peak, offload_snap, offload_at = snap["Total"] - off, dict(snap), moment
-            rows.append((moment["phase"], cats, kept))
-    marks["end"] = _raw(snap)
-    if offload:
-        numbers = (int(offload_peak), _category_totals(offload_snap, skip=OFFLOADED), _raw(offload_snap), offload_at)
-    else:
-        numbers = (int(peak_snap["Total"]), _category_totals(peak_snap), _raw(peak_snap), peak_at)
-    found = offload_category_max if offload else category_max
-    timeline = _PeakTracker.memory_over_step(SimpleNamespace(timeline=rows), offload)
-    return (*numbers[:3], {c: int(found.get(c, 0)) for c in CATEGORIES}, numbers[3], timeline,
-            None if offload else (log, preloaded_count), marks)
+        return int(snap["Total"]), category_totals(snap), raw_categories(snap)
 
 
 def make_tracker(model, optimizer=None):

@@ -125,7 +125,7 @@ def _run_steps(model, optimizer, batch, steps, loss_fn=None, progress=None, offl
 def _repeated(tracker, model, depth, offload):
     """The step just tracked, its middle block repeated until the model has `depth` blocks, replayed."""
     from . import block_repeat
-    from .._torch_private.tracker import replay_step
+    from .._torch_private.snapshots import replay_step
     from .offload_view import gpu_side_log
 
     record = {"events": tracker.events, "preloaded": tracker.preloaded, "block_of": tracker.block_of,
@@ -186,8 +186,8 @@ def estimate(setting: TrainSetting | None = None, /, *, progress=True, subproces
     is left.
 
     A model of 12 or more identical blocks is traced with 8 of them, and a middle block's events are repeated for
-    the others (fsdplab.memory.block_repeat: the same events as a trace of every block; FSDPLAB_TRACE_ALL_BLOCKS=1 traces
-    them all).
+    the others (fsdplab.memory.block_repeat: the same events as a trace of every block; FSDPLAB_TRACE_ALL_BLOCKS=1
+    traces them all).
 
     A process can hold one process group: where one exists already (on a rank), the estimate runs in another
     process (fsdplab.memory.workers; `subprocess_mode=None` decides, True/False forces it). `progress` is True
