@@ -75,16 +75,26 @@ def held_rows(local, full) -> list:
     return same.float().argmax(dim=1).tolist()
 
 
-def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: int = 0) -> dict:
+def tp_then_fsdp(model, mesh2d):
+    """Lesson 07's TP + FSDP (its cell shows the same code): each block's MLP split Megatron-style over "tp"
+    (`sharding.apply_tp`), then every block and the root sharded over "dp" (fully_shard's defaults)."""
+    from ..sharding import apply_fsdp, apply_tp
+
+    apply_tp(model, mesh2d["tp"])
+    return apply_fsdp(model, mesh2d["dp"], reshard_after_forward=None)
+
+
+def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: int = 0,
+                       parallelize=tp_then_fsdp) -> dict:
     """On a rank: tensor parallelism inside a "node" + FSDP across nodes, on a 2-D mesh ("dp", "tp").
 
-    Each block's MLP is split Megatron-style by `sharding.apply_tp` (one all-reduce in forward and one in
-    backward over "tp"; attention stays replicated); then `sharding.apply_fsdp` shards every block and the
-    root over "dp". Counts one step after a warm-up; also returns the losses, so they can be compared with
-    the same model trained in one process (`reference_losses`), and which rows of the first MLP weight this
-    rank holds."""
+    `parallelize(model, mesh2d)` splits and shards the tiny transformer (lesson 07's cell: each block's MLP
+    Megatron-style over "tp", one all-reduce in forward and one in backward, attention replicated; then
+    fully_shard of every block and the root over "dp"). Counts one step after a warm-up; also returns the
+    losses, so they can be compared with the same model trained in one process (`reference_losses`), and
+    which rows of the first MLP weight this rank holds."""
     from ..models import TinyConfig, blocks_of
-    from ..sharding import apply_fsdp, apply_tp, build_tiny
+    from ..sharding import build_tiny
 
     cfg = cfg or TinyConfig()
     mesh2d = make_mesh(mesh_shape, ("dp", "tp"))
@@ -92,9 +102,7 @@ def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: i
     # the first MLP weight before sharding: which of its rows each rank holds is found by comparing rows
     # (no full_tensor(): gathering a _StridedShard takes torch's slow path, which warns)
     initial = blocks_of(model)[0].mlp[0].weight.detach().clone()
-    apply_tp(model, mesh2d["tp"])
-    # None is fully_shard's default: blocks reshard after forward, the root (needed first in backward) does not
-    apply_fsdp(model, mesh2d["dp"], reshard_after_forward=None)
+    model = parallelize(model, mesh2d)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     # one batch per data-parallel group: the two TP ranks of a node must see the same tokens
     dp_rank = mesh2d.get_local_rank("dp")
@@ -108,7 +116,8 @@ def count_tp_fsdp_step(cfg=None, mesh_shape=(2, 2), batch_size: int = 2, seed: i
         second_loss = step(counter)
     mlp = blocks_of(model)[0].mlp[0].weight
     return {"events": counter.events, "losses": [first_loss, second_loss],
-            "mlp_weight_placements": [str(p) for p in mlp.placements], "mlp_weight_local_shape": tuple(mlp.to_local().shape),
+            "mlp_weight_placements": [str(p) for p in mlp.placements],
+            "mlp_weight_local_shape": tuple(mlp.to_local().shape),
             "mlp_weight_shape": tuple(mlp.shape), "mlp_weight_mesh_dims": list(mlp.device_mesh.mesh_dim_names),
             "mlp_weight_rows": rows}
 
