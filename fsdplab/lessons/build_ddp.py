@@ -280,6 +280,23 @@ def plot_overlap(events: list, sizes: list, bucket_bytes: int):
     return fig
 
 
+WIRE_KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+
+
+def wire_table(sent: dict, param_bytes: int, world_size: int) -> str:
+    """Section 4's table: per way, rank 0's collectives of each kind in one step (count, bytes sent by the
+    ring model) and the whole step's bytes in units of P."""
+    head = "".join(f"{kind.replace('_', '-'):>19}" for kind in WIRE_KINDS)
+    lines = [f"P = {param_bytes:,} B of fp32 parameters, {world_size} rank(s); count x bytes sent by rank 0",
+             f"{'one step':26}{head}{'total / P':>11}"]
+    for name in sorted(sent, key=lambda n: n.startswith("FSDP")):    # FSDP last, as the cell lists it
+        row = sent[name]
+        cells = "".join(f"{row[k]['count']:>5} x {row[k]['sent']:>9,.0f} B" for k in WIRE_KINDS)
+        total = sum(row[k]["sent"] for k in WIRE_KINDS)
+        lines.append(f"{name:26}{cells}{total / param_bytes:>11.2f}")
+    return "\n".join(lines)
+
+
 def ddp_config(dim: int = 32, num_layers: int = 2):
     """The tiny transformer of sections 2-4 (the checkers use the defaults)."""
     return TinyConfig(dim=dim, num_layers=num_layers, num_heads=2, seq_len=16)
