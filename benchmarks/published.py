@@ -17,13 +17,15 @@ from fsdplab.memory.published import CASES, compare, table  # noqa: E402
 
 def h200(every: bool) -> int:
     failed = 0
-    print("| case | allocated, measured | active now | error | drift | reserved, measured | reserved now | error | drift |")
+    print("| case | allocated, measured | active now | error | drift | "
+          "reserved, measured | reserved now | error | drift |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in gpu_measured.COMPARABLE:
         if row.in_ci and not every:
             continue
         r = gpu_measured.compare(row)
-        ok = (abs(r["active_drift"]) <= gpu_measured.ESTIMATE_DRIFT and abs(r["reserved_drift"]) <= gpu_measured.ESTIMATE_DRIFT
+        ok = (abs(r["active_drift"]) <= gpu_measured.ESTIMATE_DRIFT
+              and abs(r["reserved_drift"]) <= gpu_measured.ESTIMATE_DRIFT
               and abs(r["active_error"]) <= gpu_measured.ACTIVE_TOLERANCE
               and abs(r["reserved_error"]) <= gpu_measured.RESERVED_TOLERANCE)
         failed += not ok

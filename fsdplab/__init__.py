@@ -12,8 +12,8 @@ from .ranks import backend, device, local_rank, mesh, node_mesh, node_rank, prin
 __version__ = "0.1.0"
 import_noise.install()
 
-__all__ = ["Cluster", "Local", "Slurm", "Mpi", "Ssh", "RankError", "RankHang", "RankDied", "rank", "world_size", "device", "mesh",
-           "node_mesh", "local_rank", "node_rank", "print0", "backend", "load_ipython_extension"]
+__all__ = ["Cluster", "Local", "Slurm", "Mpi", "Ssh", "RankError", "RankHang", "RankDied", "rank", "world_size",
+           "device", "mesh", "node_mesh", "local_rank", "node_rank", "print0", "backend", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython):

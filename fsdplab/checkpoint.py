@@ -288,7 +288,8 @@ def commit(root, step: int) -> Path:
             last = latest_checkpoint(root)
             raise files.disk_full_error(err, f"recording the checksums of {tmp.name}", root,
                                         f"removed the partial {tmp.name}",
-                                        f"the latest complete checkpoint is still {last.name if last else 'none'}") from None
+                                        "the latest complete checkpoint is still "
+                                        f"{last.name if last else 'none'}") from None
         os.replace(tmp, final)
         files.fsync_dir(root)
         try:
@@ -460,7 +461,8 @@ def fsdp1_state_dict_defaults() -> dict:
     from ._torch_private import fsdp1_default_state_dict_type
 
     config = FullStateDictConfig()
-    return {"default state_dict_type": fsdp1_default_state_dict_type(), "FullStateDictConfig().offload_to_cpu": config.offload_to_cpu,
+    return {"default state_dict_type": fsdp1_default_state_dict_type(),
+            "FullStateDictConfig().offload_to_cpu": config.offload_to_cpu,
             "FullStateDictConfig().rank0_only": config.rank0_only}
 
 

@@ -379,12 +379,14 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
     slider = lambda stops, value, label: W.SelectionSlider(options=_with(stops, value), value=value,  # noqa: E731
                                                            description=label, style=wide)
     controls = {
-        "model": W.Dropdown(options=list(MODELS), value=model, description="model", style=wide),   # every registered model
+        # every registered model
+        "model": W.Dropdown(options=list(MODELS), value=model, description="model", style=wide),
         "world_size": slider([1, 2, 4, 8, 16, 32, 64], world_size, "GPUs"),
         "strategy": W.Dropdown(options=STRATEGIES, value=strategy, description="strategy", style=wide),
         "precision": W.Dropdown(options=PRECISIONS, value=precision, description="precision", style=wide),
         "optimizer": W.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer", style=wide),
-        "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing", style=wide),
+        "activation_checkpointing": W.Checkbox(value=activation_checkpointing, description="act. checkpointing",
+                                               style=wide),
         "lora_rank": slider([0, 8, 16, 32, 64, 128], lora_rank, "LoRA r (0: full)"),
         "seq_len": slider([64, 128, 256, 512, 1024, 2048, 4096, 8192], seq_len, "seq len"),
         "gpu_mem_gib": slider([16, 22.49, 40, 48, 80, 141], gpu_mem_gib, "GPU GiB"),

@@ -101,7 +101,8 @@ class ModelEntry:
     name: str
     config_class: str                 # a class of `transformers`, e.g. "Qwen2Config"
     fields: dict = field(default_factory=dict)
-    params: int | None = None         # published parameter count (tests/lessons/test_06_qwen7b_lora.py checks Qwen-7B's)
+    params: int | None = None         # published parameter count (tests/lessons/test_06_qwen7b_lora.py checks
+                                      # Qwen-7B's)
     about: str = ""
 
 

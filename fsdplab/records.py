@@ -3,7 +3,8 @@
 `record(name, value, unit)` in a lesson's cell stores one record in that cell's outputs; `check(name, ok, detail)`
 stores a check and raises when it fails. `read(path)` gets them back from an executed notebook, from a run's
 records.json (written by `fsdplab run`) or from a JSON-lines file; `fsdplab compare RUN_A RUN_B` lists what moved.
-Scrapbook's glue convention (a JSON MIME bundle in a cell's outputs), done small: scrapbook 0.5.0 (2021, unmaintained) imports pandas, pyarrow and six.
+Scrapbook's glue convention (a JSON MIME bundle in a cell's outputs), done small: scrapbook 0.5.0 (2021, unmaintained)
+imports pandas, pyarrow and six.
 
 In a Jupyter kernel a record is one display output holding MIME_TYPE (the record dict) and a short text/plain line.
 Outside a kernel (a torchrun script, a notebook's rank) only rank 0 (RANK unset or "0") records: one JSON line

@@ -25,7 +25,8 @@ RECIPE_LINES = r"steps in |peak memory|Error|nan|inf\b"
 
 def machine_step(out: Path) -> dict:
     """The machine record: a record, not a check (it fails only where torch does not import)."""
-    return dict(name="00_machine", cmd=[sys.executable, str(Path(__file__).resolve()), "machine", str(out / MACHINE_JSON)],
+    return dict(name="00_machine",
+                cmd=[sys.executable, str(Path(__file__).resolve()), "machine", str(out / MACHINE_JSON)],
                 limit_s=60, min_s=0, keep=r"^(torch|python|gpu \d|CUDA_VISIBLE_DEVICES|/dev/shm|tmpfs|shm)")
 
 
@@ -111,7 +112,8 @@ def machine(path: Path) -> int:
     print(_run(["date", "-u"]).strip())
     print(_run(["git", "-C", str(ROOT), "log", "-1", "--format=commit %H %s"]).strip())
     print(f"python {sys.version.split()[0]} ({sys.executable}); {os.cpu_count()} CPUs")
-    print(f"CUDA_VISIBLE_DEVICES={facts['cuda_visible_devices'] if facts['cuda_visible_devices'] is not None else '<unset>'}")
+    print("CUDA_VISIBLE_DEVICES="
+          f"{facts['cuda_visible_devices'] if facts['cuda_visible_devices'] is not None else '<unset>'}")
     print(_run(["df", "-h", "/dev/shm"]).strip())   # NCCL's SHM transport fails in containers with a 64 MB /dev/shm
     smi = _run(["nvidia-smi", "--query-gpu=index,name,compute_cap,memory.total,memory.used,compute_mode",
                 "--format=csv,noheader"]) if _has("nvidia-smi") else ""
@@ -129,7 +131,8 @@ def machine(path: Path) -> int:
         path.write_text(json.dumps(facts, indent=1))
         return 1
     nccl = torch.cuda.nccl.version() if torch.cuda.is_available() and torch.distributed.is_nccl_available() else None
-    facts.update(torch=torch.__version__, cuda=torch.version.cuda, nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl)
+    facts.update(torch=torch.__version__, cuda=torch.version.cuda,
+                 nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl)
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {facts['nccl']}, "
           f"{torch.cuda.device_count()} GPU(s) visible to torch")
     for i in range(torch.cuda.device_count()):

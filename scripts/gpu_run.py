@@ -6,7 +6,8 @@
 Each file runs as `python -m pytest -v -rs FILE` in a process session of its own, so a crash, a hang or a
 CUDA error stops that file only; a file still running at its limit is killed with everything it started.
 Files run in the order env, cluster, fsdp1, memory, offload, lessons (then any others): the lessons, the
-longest, come last and get what the budget leaves (each lesson has its own limit, FSDPLAB_LESSON_TIMEOUT). After every file OUT/gpu_run.json is rewritten: per file the counts of
+longest, come last and get what the budget leaves (each lesson has its own limit, FSDPLAB_LESSON_TIMEOUT). \
+After every file OUT/gpu_run.json is rewritten: per file the counts of
 passed / failed / skipped / errors, seconds, status, the measurements its tests recorded (the `record`
 fixture of tests/gpu/conftest.py), skip reasons and the tail of the output; OUT/<file>.log holds all of it.
 Exit code 1 if any test failed or errored, or a file ran past its own limit; 3 if nothing failed but a file
@@ -191,7 +192,8 @@ def kill_live(signum=None, frame=None):
 def run_step(step: Step, out: Path, left: float) -> dict:
     """Run `step` with `left` seconds of the budget; OUT/<name>.log has its output."""
     if left < step.min_s:
-        return step_result(step, "skipped (budget)", detail=f"{max(left, 0):.0f} s of the budget left, needs {step.min_s:.0f}")
+        return step_result(step, "skipped (budget)",
+                           detail=f"{max(left, 0):.0f} s of the budget left, needs {step.min_s:.0f}")
     limit = min(step.limit_s, left)
     log = out / f"{step.name}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{k: str(v) for k, v in step.env.items()})
@@ -291,7 +293,8 @@ def print_check_summary(steps: list, results: list, out: Path, total: float, bud
     print(f"\n{'step':<{width}}  {'status':<17} {'rc':>4} {'seconds':>8} {'limit':>6}  detail")
     for r in results:
         rc = "" if r["rc"] is None else r["rc"]
-        print(f"{r['step']:<{width}}  {r['status']:<17} {rc!s:>4} {r['seconds']:>8.1f} {r['limit_s']:>6}  {r['detail']}")
+        print(f"{r['step']:<{width}}  {r['status']:<17} {rc!s:>4} {r['seconds']:>8.1f} {r['limit_s']:>6}  "
+              f"{r['detail']}")
     for step in steps:
         lines = measurements(step, out)
         if lines:
@@ -310,10 +313,12 @@ def check(out: Path, budget: float) -> int:
     machine = Step(**gpu_plan.machine_step(out))
     results = run_phases([[[machine]]], out, budget, start)
     facts = gpu_plan.read_facts(out)
-    phases = [[[Step(**spec) for spec in lane] for lane in phase] for phase in gpu_plan.plan(facts, out, sys.executable)]
+    phases = [[[Step(**spec) for spec in lane] for lane in phase]
+              for phase in gpu_plan.plan(facts, out, sys.executable)]
     planned = [step for phase in phases for lane in phase for step in lane]
     if not facts.get("gpus"):
-        print(f"\nno GPU: {facts.get('no_gpu_reason') or 'the machine record found none (see ' + str(out / machine.name) + '.log)'}."
+        reason = facts.get("no_gpu_reason") or "the machine record found none (see " + str(out / machine.name) + ".log)"
+        print(f"\nno GPU: {reason}."
               f"\nNothing was checked; the {len(planned)} GPU steps were not run.", flush=True)
         results += [step_result(step, "not run (no GPU)") for step in planned]
         code = EXIT_NO_GPU
@@ -332,8 +337,10 @@ def check(out: Path, budget: float) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="gpu_run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("files", nargs="*", help=f"test files to run, e.g. memory lessons (default: all; order {','.join(ORDER)})")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("files", nargs="*",
+                   help=f"test files to run, e.g. memory lessons (default: all; order {','.join(ORDER)})")
     p.add_argument("--tests", type=Path, default=ROOT / "tests" / "gpu", help="folder of test_*.py files "
                    "(default: tests/gpu)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu_check"),

@@ -15,10 +15,10 @@
 
 What it cannot catch: anything about values (fake tensors hold none: `.item()` answers 1, `torch.equal`
 answers True once the devices agree, so every check of a number passes), backward and the optimizer's step
-(the autograd engine wants a real CUDA accelerator: backward is a no-op, gradients stay None), CUDA kernels and their numerics,
-NCCL's asynchrony (a collective here returns at once and never hangs), what ranks other than 0 do, and
-memory (the estimator measures that). It only finds code that puts two devices into one op, or a CPU tensor
-into a collective of the cuda-only group.
+(the autograd engine wants a real CUDA accelerator: backward is a no-op, gradients stay None), CUDA kernels
+and their numerics, NCCL's asynchrony (a collective here returns at once and never hangs), what ranks other
+than 0 do, and memory (the estimator measures that). It only finds code that puts two devices into one op, or
+a CPU tensor into a collective of the cuda-only group.
 
 Private torch APIs used (kept here, next to the estimator's): torch.testing._internal's FakeStore and
 FakeProcessGroup, FakeTensorMode, ProcessGroup._device_types / unbox, _resolve_process_group, and c10's

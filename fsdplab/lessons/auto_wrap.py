@@ -135,8 +135,8 @@ def claim11_verdict(*, error: str, units: int, block_units: int) -> tuple:
     """(verdict, reason) for passing `size_based_auto_wrap_policy(min_num_params=1e7)` directly."""
     runs = not error
     reason = (("the call runs" if runs else f"the call raises {error.split(':')[0]}") + "; with functools.partial, "
-              f"1e7 makes {units} units of Qwen-7B (v1, fused c_attn) against {block_units} per block ({units / block_units:.1f}x the "
-              "collectives)")
+              f"1e7 makes {units} units of Qwen-7B (v1, fused c_attn) against {block_units} per block "
+              f"({units / block_units:.1f}x the collectives)")
     return ("right" if runs else "wrong"), reason
 
 

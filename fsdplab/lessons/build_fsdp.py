@@ -194,7 +194,8 @@ def train(cfg, steps: int = STEPS, hooks: Hooks | None = None, lr: float = LR, r
         rest = [q for q in model.parameters() if id(q) not in ids]      # replicated, as in DDP
         trained = [p.local for p in params] + rest
     # the lab's count for FSDP: per step each block's (padded) bytes gathered twice and reduce-scattered once
-    full_bytes = sum(p.local.numel() * world_size() * p.local.element_size() for p in params) if hooks is not None else 0
+    full_bytes = (sum(p.local.numel() * world_size() * p.local.element_size() for p in params)
+                  if hooks is not None else 0)
 
     def local_of(q, grad=False):            # a shard in the lesson's layout, or None
         t = (q.grad if grad else q) if hooks is None else (q.local.grad if grad else q.local)

@@ -130,7 +130,8 @@ def _checkpoint_blocks(answer, *, cluster, layers: int = 3):
     rank, next to the same model without checkpointing and with the lab's checkpointing: gradients, what
     backward ran again, and the bytes autograd kept for backward."""
     if not callable(answer):
-        return False, f"expected a function my_checkpoint(model) that checkpoints each block and returns the model, got {answer!r}."
+        return False, ("expected a function my_checkpoint(model) that checkpoints each block and returns the model, "
+                       f"got {answer!r}.")
     if (not_ready := ranks_not_ready(cluster, "after its exercises")) is not None:
         return False, not_ready
     try:
@@ -141,10 +142,11 @@ def _checkpoint_blocks(answer, *, cluster, layers: int = 3):
     if "error" in out:
         return False, f"your function raised on the ranks: {out['error']}"
     if "shard_error" in out:
-        return False, (f"fully_shard raised on your checkpointed model: {out['shard_error'].rstrip(':.')}. Only checkpoint: the "
-                       "checker shards the model itself, each block and then the root.")
+        return False, (f"fully_shard raised on your checkpointed model: {out['shard_error'].rstrip(':.')}. Only "
+                       "checkpoint: the checker shards the model itself, each block and then the root.")
     if out["returned"] not in ("model", "a module"):
-        return False, f"your function returns {out['returned']}: return the model, which the checker then shards and trains."
+        return False, (f"your function returns {out['returned']}: return the model, which the checker then shards "
+                       "and trains.")
     if "run_error" in out:
         error = out["run_error"]
         if "does not require grad" in error:
@@ -169,26 +171,29 @@ def _checkpoint_blocks(answer, *, cluster, layers: int = 3):
                        f"{worst['gap']:.2g} (the largest gradient is {worst['max_grad']:.2g}): under dropout the "
                        "recomputation drew other masks than forward did. It must replay forward's random state, "
                        "which torch's checkpoint does unless told not to.")
-    one_rank = (" On 1 rank fully_shard all-gathers nothing, so the step's all-gathers were not compared with the lab's."
+    one_rank = (" On 1 rank fully_shard all-gathers nothing, so the step's all-gathers were not compared with "
+                "the lab's."
                 if out["world_size"] == 1 else "")
     kept, lab, plain, blocks = out["kept"], out["lab_kept"], out["plain_kept"], list(range(out["layers"]))
     mine = ("as much as without checkpointing" if kept >= plain else
             f"{1 - kept / plain:.0%} less than the {plain:,} B without checkpointing")
-    bytes_text = f"your model kept {kept:,} B for backward, {mine}, where the lab's keeps {lab:,} B ({1 - lab / plain:.0%} less)"
+    bytes_text = (f"your model kept {kept:,} B for backward, {mine}, where the lab's keeps {lab:,} B "
+                  f"({1 - lab / plain:.0%} less)")
     again = out["again"]
     if not again:
-        return False, f"gradients match, but no block ran again in backward: nothing was checkpointed, and {bytes_text}.{one_rank}"
+        return False, ("gradients match, but no block ran again in backward: nothing was checkpointed, and "
+                       f"{bytes_text}.{one_rank}")
     skipped = [i for i in blocks if i not in again]
     if skipped:
         they = "it kept all its" if len(skipped) == 1 else "they kept all their"
         return False, (f"gradients match, but {_blocks_text(skipped)} did not run again in backward: not checkpointed, "
                        f"{they} activations, and {bytes_text}.{one_rank}")
     if again != out["lab_again"]:
-        return False, (f"gradients match, but backward ran blocks {', '.join(map(str, again))} again in that order, where "
-                       f"the lab's runs each again on its own, just before its backward "
-                       f"({', '.join(map(str, out['lab_again']))}): your checkpoint holds several blocks as one piece, so "
-                       f"backward rebuilds all their activations at once. Forward kept {kept:,} B, the lab's {lab:,} B: "
-                       f"checkpoint each block on its own.{one_rank}")
+        return False, (f"gradients match, but backward ran blocks {', '.join(map(str, again))} again in that "
+                       "order, where the lab's runs each again on its own, just before its backward "
+                       f"({', '.join(map(str, out['lab_again']))}): your checkpoint holds several blocks as one "
+                       "piece, so backward rebuilds all their activations at once. Forward kept "
+                       f"{kept:,} B, the lab's {lab:,} B: checkpoint each block on its own.{one_rank}")
     if kept > lab + 0.1 * (plain - lab):
         return False, (f"gradients match and each block ran again in backward, but {bytes_text}: checkpoint the whole "
                        f"block, not a part of it.{one_rank}")

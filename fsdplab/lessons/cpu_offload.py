@@ -55,7 +55,8 @@ def draw_exact(ax, reports: dict, gpu_gib: float, source: str = "exact estimate"
 
     offload = reports["checkpointing + offload"]
     host = SimpleNamespace(by_category=dict(offload.resident))
-    labels = ["GPU:\nno checkpointing", "GPU:\ncheckpointing", "GPU:\ncheckpointing\n+ offload", "host, pinned:\noffload"]
+    labels = ["GPU:\nno checkpointing", "GPU:\ncheckpointing", "GPU:\ncheckpointing\n+ offload",
+              "host, pinned:\noffload"]
     heights = draw_stacked(ax, labels, [*reports.values(), host], gpu_gib)
     for x, height in zip(labels, heights):
         ax.annotate(f"{height:.1f}", (x, height), ha="center", va="bottom", fontsize=8)
@@ -118,8 +119,8 @@ def dashboard(gpu_mem_gib: float = 22.49, params_b: float = 7.0, world_size: int
                     cpu_adam_seconds_per_param=cpu_adam_seconds_per_param, seq_len=seq_len)
         fitting = [k for k, r in rows.items() if r["fits"]]
         return draw_plan(fig, rows, gpu_mem_gib,
-                         title=f"{params_b:g}B params on {world_size} x {gpu_name}-speed GPUs with {gpu_mem_gib:.2f} GiB "
-                               f"(fits: {', '.join(fitting) or 'none'})")
+                         title=f"{params_b:g}B params on {world_size} x {gpu_name}-speed GPUs with "
+                               f"{gpu_mem_gib:.2f} GiB (fits: {', '.join(fitting) or 'none'})")
 
     return Dashboard(controls, draw, title="Offload, more GPUs or LoRA?", figsize=(10, 4))
 

@@ -402,8 +402,8 @@ def hang_verdict(mine: list, ref: list) -> tuple:
     if gaps[worst] > tolerance:
         return False, (f"your step completes on every rank and skips the steps the lab's step skips, but after "
                        f"{steps} steps rank {worst}'s parameters differ from the lab's by {gaps[worst]:.1e} "
-                       "(relative): keep the step you were given (the lab's loss_of, one optimizer step) and change only "
-                       "which steps are skipped.")
+                       "(relative): keep the step you were given (the lab's loss_of, one optimizer step) and change "
+                       "only which steps are skipped.")
     skipped = [s + 1 for s in range(steps) if not any(r["notes"][s]["changed"] for r in ref)]
     return True, (f"your step completes on every rank: {steps} steps, step {', '.join(map(str, skipped))} skipped on "
                   f"every rank ({masked}), the others taken, and the parameters equal to the lab's step's "

@@ -226,7 +226,8 @@ def loss_gap(a: list, b: list) -> float:
 
 def failing(text: str) -> str:
     """The script with the last rank raising at step 2."""
-    return text.replace(FAIL_AFTER, FAIL_AFTER + "        if rank == world - 1 and step == 2:    # the last rank fails\n"
+    return text.replace(FAIL_AFTER,
+                        FAIL_AFTER + "        if rank == world - 1 and step == 2:    # the last rank fails\n"
                         "            raise RuntimeError(f\"rank {rank} fails at step {step}\")\n", 1)
 
 

@@ -170,7 +170,8 @@ def _mesh_verdict(results: list, lesson=None) -> str | None:
     if _crosses(mesh[0], rpn):
         hint = "The mesh's first dim"
         if shape == (rpn, nodes):
-            same = f" (at {lesson[0]} x {lesson[1]} both orders make the same mesh)" if lesson and len(set(lesson)) == 1 else ""
+            same = (f" (at {lesson[0]} x {lesson[1]} both orders make the same mesh)"
+                    if lesson and len(set(lesson)) == 1 else "")
             hint = f"Its dims are the wrong way round{same}: the first"
         return (f"{where}: its all-gathers and reduce-scatters cross the node boundary, {ring}. {hint} counts the "
                 "nodes (replicate), the second the ranks of one node (shard).")

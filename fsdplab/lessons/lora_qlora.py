@@ -55,8 +55,9 @@ def token_batch(config, batch_size: int, seq_len: int, seed: int, device="cpu") 
 
 def step_report(model, optimizer, batch, steps: int = 2) -> dict:
     """On a rank: `steps` training steps under torch's memory tracker, then one more under the collective
-    counter (the optimizer's step moves nothing). Plain numbers: the peak and what it is made of, what stays between steps, bytes all-gathered and
-    reduce-scattered in one step (full tensors, as the counter reports them), and the loss."""
+    counter (the optimizer's step moves nothing). Plain numbers: the peak and what it is made of, what stays
+    between steps, bytes all-gathered and reduce-scattered in one step (full tensors, as the counter reports
+    them), and the loss."""
     from ..comms import CommCounter
     from ..memory import measure
     from ..sharding import train_step
@@ -251,8 +252,9 @@ def _uniform_dtype(answer, *, cluster, hidden_size: int = 256, lora_rank: int = 
         return False, (f"the first step still raised on rank {out['rank']}: {out['step_error']} (your trainable "
                        f"parameters are {', '.join(out['trainable_dtypes'])}).")
     if out["base_after"] > out["base_before"]:
-        return False, (f"it steps, but the frozen base grew from {out['base_before']:,} B to {out['base_after']:,} B on "
-                       "each rank before sharding: you cast the frozen weights too, which the check never looked at.")
+        return False, (f"it steps, but the frozen base grew from {out['base_before']:,} B to "
+                       f"{out['base_after']:,} B on each rank before sharding: you cast the frozen weights too, which "
+                       "the check never looked at.")
     if not math.isfinite(out["loss"]):
         return False, f"it steps, but the loss is {out['loss']}."
     return True, (f"trainable parameters all {out['trainable_dtypes'][0]}, the frozen base left "

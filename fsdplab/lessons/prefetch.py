@@ -197,7 +197,8 @@ def _live_blocks(answer, *, measured: int, prefetch: int, num_layers: int):
     if int(answer) == measured:
         return True, f"{int(answer)} blocks, as the counter saw with prefetch={prefetch}."
     return False, (f"{answer} is {'too many' if answer > measured else 'too few'}. Hint: the block computing, plus "
-                   f"the ones its forward prefetch list asked for, but never more than the {num_layers} blocks there are.")
+                   f"the ones its forward prefetch list asked for, but never more than the {num_layers} blocks "
+                   "there are.")
 
 
 # --- the sharded data-parallel step, written by the learner -----------------------------------------------

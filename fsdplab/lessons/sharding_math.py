@@ -83,7 +83,8 @@ def claim2_measured(ddp_state_bytes: list, full_state_last: int, params: int, wo
         return (f"on 1 rank every strategy keeps the whole model state, {ddp_state_bytes[0] / params:.2f} B/param: "
                 "replicas and shards only differ from 2 ranks on")
     return (f"DDP holds {ddp_state_bytes[0] / params:.2f} B/param on every rank at N = {world_sizes} "
-            f"(nn.DataParallel, the posts' DP, is not measured); sharded strategies hold {full_state_last / params:.2f} B/param at N={last}. FSDP2's "
+            "(nn.DataParallel, the posts' DP, is not measured); sharded strategies hold "
+            f"{full_state_last / params:.2f} B/param at N={last}. FSDP2's "
             f"SHARD_GRAD_OP keeps the same shards at rest as FULL_SHARD and differs in the peak ({sgo_peak / MIB:.2f} "
             f"vs {full_peak / MIB:.2f} MiB): parameters stay gathered from forward to backward")
 
@@ -99,7 +100,8 @@ def claim3_measured(state_bytes: int, full_state_last: int, full_peak: int, para
 
 def claim12_measured(whole_model_peak: int, per_block_peak: int, last: int) -> str:
     """The "measured here" text of claim 12's row; at one rank nothing is gathered, so wrapping cannot show."""
-    peaks = f"whole-model wrapping peaks at {whole_model_peak / MIB:.2f} MiB vs {per_block_peak / MIB:.2f} MiB per block"
+    peaks = (f"whole-model wrapping peaks at {whole_model_peak / MIB:.2f} MiB vs {per_block_peak / MIB:.2f} MiB "
+             "per block")
     if last == 1:
         return peaks + " on 1 rank, where nothing is sharded or gathered: run with 2 or more ranks"
     return f"{peaks} ({1 - per_block_peak / whole_model_peak:.0%} lower) on {last} ranks"
@@ -387,7 +389,8 @@ def _wrap(answer, *, cluster, rel: float = 1e-4):
     worst_loss = max(results, key=lambda x: abs(x["loss"] - x["plain_loss"]))
     if abs(worst_loss["loss"] - worst_loss["plain_loss"]) > rel * max(1.0, abs(worst_loss["plain_loss"])):
         return False, (f"rank {worst_loss['rank']}'s loss is {worst_loss['loss']:.6f}, the unsharded model's "
-                       f"{worst_loss['plain_loss']:.6f}: the wrap must leave the model's values and precision as they are.")
+                       f"{worst_loss['plain_loss']:.6f}: the wrap must leave the model's values and "
+                       "precision as they are.")
     name, error = max(out["grad_errors"].items(), key=lambda item: item[1])
     if error > rel:
         return False, (f"{name}'s gradient differs from the unsharded model's by {error:.1e} (relative): keep the "

@@ -230,8 +230,9 @@ def global_batch(cfg, step: int, size: int, seed: int = 0):
 
 
 def split_batch(batch, rank: int, world_size: int, k: int, device=None) -> list:
-    """This rank's `k` micro-batches of a global batch, on `device` (None: this rank's): rank r takes rows r, r + N, r + 2N, ...
-    (a strided split, as DistributedSampler without shuffling), then cuts them into k equal micro-batches."""
+    """This rank's `k` micro-batches of a global batch, on `device` (None: this rank's): rank r takes rows r, r + N,
+    r + 2N, ... (a strided split, as DistributedSampler without shuffling), then cuts them into k equal
+    micro-batches."""
     from ..models import default_device
 
     tokens, targets = (t.to(default_device(device)) for t in batch)

@@ -1,9 +1,9 @@
 """The estimator: how much memory one rank of an FSDP2 training step needs, without the GPUs.
 
 - exact: the per-rank figure of a real step on fake tensors (`estimate`); live: the same step measured on
-  live ranks (`measure`, `measure_setting`); ddp: torch's DDP in the estimate; block_repeat makes a deep model's step from a trace of a few blocks,
-  allocator replays it through a model of the CUDA caching allocator, offload_view and local_shards
-  are what stays on the GPU and what one rank holds
+  live ranks (`measure`, `measure_setting`); ddp: torch's DDP in the estimate; block_repeat makes a deep
+  model's step from a trace of a few blocks, allocator replays it through a model of the CUDA caching
+  allocator, offload_view and local_shards are what stays on the GPU and what one rank holds
 - formula: the analytic model (`formula`, `spec_of`), instant; report: `MemoryReport`, the answer
 - sweep: many settings at once (`Sweep`, `start_estimates`); workers: the one way an estimate runs in
   another process; cache: one `fsdplab run`'s estimates, made once

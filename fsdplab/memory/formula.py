@@ -125,9 +125,9 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
       fp32 optimizer state (master copy, m, v). ZeRO-1 shards the optimizer state, ZeRO-2 also gradients.
       DDP adds its gradient buckets, a second copy of the gradients. (torch's DDP with autocast keeps fp32
       parameters and gradients plus m and v: the same 16 bytes, another split.)
-    - FSDP2 (shard_grad_op, full_shard, hybrid_shard, and replicate, unsharded): the sharded fp32 parameters ARE the master copy
-      (4 B), sharded gradients are fp32 (4 B), Adam keeps m and v (8 B); 16-bit copies exist only for the
-      unit being computed ("in flight"). Each parameter's dim 0 is padded to a multiple of the shard count.
+    - FSDP2 (shard_grad_op, full_shard, hybrid_shard, and replicate, unsharded): the sharded fp32 parameters ARE the
+      master copy (4 B), sharded gradients are fp32 (4 B), Adam keeps m and v (8 B); 16-bit copies exist only for
+      the unit being computed ("in flight"). Each parameter's dim 0 is padded to a multiple of the shard count.
 
     With fp32 every layout is 4 + 4 + 8. SGD keeps one momentum buffer (4 B), no step counter. Frozen
     (LoRA base) weights keep no gradient and no optimizer state. `base_dtype` bf16/fp16 stores the base weights
@@ -209,7 +209,8 @@ def formula(setting: TrainSetting | None = None, /, *, activation_bytes: int | N
         detail.update(shards=shards, padding_bytes=padding)
         # The unsharded unit in flight, in the compute dtype.
         block_numel = sum(math.prod(s) for s, _, where in shapes if where == "block") // max(spec.num_layers, 1)
-        block_trainable = sum(math.prod(s) for s, t, where in shapes if where == "block" and t) // max(spec.num_layers, 1)
+        block_trainable = (sum(math.prod(s) for s, t, where in shapes if where == "block" and t)
+                           // max(spec.num_layers, 1))
         root_numel = sum(math.prod(s) for s, _, where in shapes if where == "root")
         # an NF4 base gathers its blocks' matrices as 4-bit codes with their scales, the rest in the compute dtype
         block_gathered = sum(math.prod(s) * (NF4_BYTES_PER_WEIGHT if stored(s, t, where) < 2 else w)

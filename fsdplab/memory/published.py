@@ -176,5 +176,6 @@ def table(rows: list) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['measured_gib']:.1f} {r['kind']} | {r['active_gib']:.2f} | "
-                     f"{r['active_error']:+.1%} | {r['reserved_gib']:.2f} | {r['error']:+.1%} | ±{r['tolerance']:.0%} |")
+                     f"{r['active_error']:+.1%} | {r['reserved_gib']:.2f} | {r['error']:+.1%} | "
+                     f"±{r['tolerance']:.0%} |")
     return "\n".join(lines)

@@ -81,7 +81,8 @@ class MemoryReport:
                          + (f", op {m['op']}" if m.get("op") else ""))
             phases = {k: v for k, v in self.phase_peaks().items() if k in ("forward", "backward", "optimizer step")}
             if phases:
-                lines.append("  highest per phase: " + ", ".join(f"{k} {v / div:.3f} {unit}" for k, v in phases.items()))
+                lines.append("  highest per phase: " + ", ".join(f"{k} {v / div:.3f} {unit}"
+                                                                 for k, v in phases.items()))
         if self.resident:
             lines.append("  resident shards: " + ", ".join(f"{k} {v / div:.3f} {unit}"
                                                           for k, v in self.resident.items()))

@@ -219,7 +219,8 @@ def main(argv=None) -> int:
                           "`--figures docs/figures` regenerates the README's pictures")
     run.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
                      help="papermill parameter for lessons that declare it, e.g. -p steps 200")
-    run.add_argument("--no-progress", action="store_true", help="no per-cell progress bar (there is none when stderr is not a terminal)")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no per-cell progress bar (there is none when stderr is not a terminal)")
     run.add_argument("--backend", choices=BACKENDS, default=None,
                      help="the lessons' process groups: auto (nccl with one GPU per rank when there are enough, "
                           "else gloo on CPU ranks), gloo (CPU ranks even on a GPU machine) or nccl; sets "
@@ -299,7 +300,8 @@ def main(argv=None) -> int:
     est.add_argument("--timeline", metavar="FILE.png",
                      help="write a figure of memory over one step by category, the peak marked (one setting)")
     est.add_argument("--memory-snapshot", metavar="FILE.pickle",
-                     help="write the step as PyTorch's memory visualizer reads it (pytorch.org/memory_viz; one setting)")
+                     help="write the step as PyTorch's memory visualizer reads it "
+                          "(pytorch.org/memory_viz; one setting)")
     est.add_argument("--json", action="store_true", help="print one JSON object")
 
     est.error = _one_line_error(est)

@@ -68,7 +68,8 @@ def estimate_command(args) -> int:
         if text:
             check_output_file(flag, text)      # before the estimate, not after it
     if not math.isfinite(args.gpu_mem_gib) or args.gpu_mem_gib <= 0:
-        raise ValueError(f"--gpu-mem-gib is a GPU's memory in GiB, a positive number (e.g. 24), got {args.gpu_mem_gib}.")
+        raise ValueError(f"--gpu-mem-gib is a GPU's memory in GiB, a positive number (e.g. 24), got "
+                         f"{args.gpu_mem_gib}.")
     if args.shard_group_size is not None and args.shard_group_size < 1:
         raise ValueError(f"--shard-group-size is a number of GPUs (1 or more; usually a node's 8), got "
                          f"{args.shard_group_size}.")

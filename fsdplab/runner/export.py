@@ -3,7 +3,8 @@
 Every rank runs the script from top to bottom. The kernel's cells run on every rank (rank 0 prints); a `%%ranks`
 cell's code runs inline, its output shown per rank; `fsdplab.Cluster(...)` becomes the script's own ranks
 (fsdplab.runtime.script.Cluster), so `cluster.run(fn)`, `pull` and `push` keep working. Markdown headings become
-comments, a cell tagged `writes-files` runs on one rank at a time, the parameters are constants (changed with -p as `fsdplab run` takes them), `!command` runs on rank 0.
+comments, a cell tagged `writes-files` runs on one rank at a time, the parameters are constants (changed with -p as
+`fsdplab run` takes them), `!command` runs on rank 0.
 A notebook's edits travel with it: export the copy you edited (a path) to get your cells.
 """
 
@@ -43,7 +44,8 @@ def _code_cell(source: str, number: int) -> str:
                 + textwrap.indent(body or "pass", "    "))
     if lines and lines[0].startswith("%%writefile"):
         target = " ".join(shlex.split(lines[0])[1:])
-        return f"# %%writefile (cell {number}): rank 0 writes the file\nscript.write_file(f{target!r}, {chr(10).join(lines[1:]) + chr(10)!r})"
+        return (f"# %%writefile (cell {number}): rank 0 writes the file\n"
+                f"script.write_file(f{target!r}, {chr(10).join(lines[1:]) + chr(10)!r})")
     if lines and lines[0].startswith("%%"):
         raise ValueError(f"cell {number} is a {lines[0].split()[0]} cell, which a script cannot run; "
                          "rewrite it as Python to export the lesson.")
@@ -93,7 +95,8 @@ def export_script(path, parameters: dict | None = None) -> str:
         "import torch, torch.distributed as dist  # noqa: E401, F401 - what a %%ranks cell has",
     ]
     parts = ["\n".join(head)]
-    body = ["script.begin()   # torchrun's process group; figures off-screen; ranks other than 0 quiet outside rank code"]
+    body = ["script.begin()   # torchrun's process group; figures off-screen; ranks other than 0 quiet "
+            "outside rank code"]
     for number, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             if cell.source.strip():
@@ -129,7 +132,8 @@ def sbatch_script(script: str, nodes: int, ranks_per_node: int, gpus: bool = Tru
     name = Path(script).stem
     gres = f"#SBATCH --gpus-per-node={ranks_per_node}\n" if gpus else ""
     return f"""#!/bin/bash
-# {name} on {nodes} node(s) x {ranks_per_node} rank(s), written by `fsdplab export --sbatch`. Submit: sbatch {name}.sbatch
+# {name} on {nodes} node(s) x {ranks_per_node} rank(s), written by `fsdplab export --sbatch`. \
+Submit: sbatch {name}.sbatch
 #SBATCH --job-name={name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1

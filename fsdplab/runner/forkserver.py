@@ -67,7 +67,8 @@ def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
     if not available():
         return None
     path = os.path.join(folder, "forkserver.sock")
-    process = subprocess.Popen([sys.executable, "-c", "import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1])", path],
+    process = subprocess.Popen([sys.executable, "-c",
+                                "import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1])", path],
                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
                                env={"MPLBACKEND": INLINE_BACKEND, **os.environ, "OPENBLAS_NUM_THREADS": "1",
                                     "PYTHONUNBUFFERED": "1"})

@@ -232,7 +232,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                 server_dir = owned_temp_dir("fsdplab-forkserver-", _short_temp_dir())
                 server = forkserver.start(server_dir)
             if len(paths) > 1 and not parameters:
-                # later lessons' full-scale estimates, made in the time the lessons leave idle (fsdplab.runner.estimates_ahead)
+                # later lessons' full-scale estimates, made in the time the lessons leave idle
+                # (fsdplab.runner.estimates_ahead)
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
             kernels = [forkserver.kernel_spec(server_dir)] if server is not None else []

@@ -22,7 +22,8 @@ from ..owned_folders import replace_owned
 
 REPOSITORY = Path(__file__).resolve().parent.parent.parent
 # A printed verdict: "claim 13 'saving ...': WRONG. ...", "claim #7 PCIe ...: PARTLY: ...", "Claim 15 (partly): ...",
-# "belief 'no_sync saves memory': HALF RIGHT. ..."; and a row of a lesson's verdict table: "| 4 | ... | **WRONG** | ...".
+# "belief 'no_sync saves memory': HALF RIGHT. ..."; and a row of a lesson's verdict table:
+# "| 4 | ... | **WRONG** | ...".
 _WORD = r"half right|partly right|partly true|partly|plausible|right|true|wrong"
 VERDICT = re.compile(r"^(?P<what>(?:claims? #?\d+(?:(?:, | and |-)\d+)*|belief)\b.{0,160}?)[:(]\s*\**(?P<word>"
                      + _WORD + r")\b", re.I)
@@ -110,7 +111,8 @@ def _claim_list(stem: str, found: list) -> str:
     if not found:
         return ""
     rows = "".join(f'<li><a class="badge" style="background:{BADGES[kind]}" href="{stem}.html#cell-id={cid}">'
-                   f'{word.lower()}</a> {html.escape(what)} (<a href="#cell-id={cid}">the cell that decides it</a>)</li>'
+                   f'{word.lower()}</a> {html.escape(what)} '
+                   f'(<a href="#cell-id={cid}">the cell that decides it</a>)</li>'
                    for what, word, kind, cid in found)
     return (f'<details open><summary><b>What this lesson decides ({len(found)} verdicts, computed in this run)</b>'
             f'</summary><ul style="list-style:none;padding-left:0">{rows}</ul></details>')
@@ -168,7 +170,8 @@ def _text(nb) -> str:
     return re.sub(r"\s+", " ", "\n".join(parts))
 
 
-_STYLE = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;line-height:1.5;color:#1f2328}
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;line-height:1.5;\
+color:#1f2328}
 a{color:#0969da}nav a{margin-right:1em}.badge{display:inline-block;color:#fff;border-radius:1em;padding:0 .6em;
 margin:.1em .2em;font-size:.8em;text-decoration:none}.lesson{border-top:1px solid #d0d7de;padding:.6em 0}
 .machine{color:#57606a;font-size:.9em}pre{background:#f6f8fa;padding:.6em;overflow-x:auto}code{background:#f6f8fa}
@@ -241,7 +244,8 @@ def build(run_dir="runs", out_dir="site") -> dict:
     run, out = Path(run_dir), Path(out_dir)
     lessons = sorted(run.glob("[0-9][0-9]_*.ipynb"))
     if not lessons:
-        raise ValueError(f"no executed lessons in {run}: run `fsdplab run --out {run}` first, then `fsdplab site {run}`.")
+        raise ValueError(f"no executed lessons in {run}: run `fsdplab run --out {run}` first, then "
+                         f"`fsdplab site {run}`.")
     built = {"lessons": [], "docs": [], "verdicts": 0}
     # Built beside the old site, then swapped in: a failure (a bad notebook, a full disk) leaves
     # the old site whole.
@@ -256,15 +260,16 @@ def _write_site(run: Path, lessons: list, out: Path, built: dict) -> None:
 
     info_file = run / "run_info.json"
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-    machine = (f"Executed on {info.get('device', '?')}, {info.get('cpus', '?')} CPU cores, torch {info.get('torch', '?')}, "
-               f"Python {info.get('python', '?')}, {info.get('date', '?')}" if info else
+    machine = (f"Executed on {info.get('device', '?')}, {info.get('cpus', '?')} CPU cores, "
+               f"torch {info.get('torch', '?')}, Python {info.get('python', '?')}, {info.get('date', '?')}" if info else
                "Executed on a machine this run did not record (run_info.json is missing).")
     exporter = HTMLExporter(template_name="lab", embed_images=True)
     index, entries = [], []
     for path in lessons:
         nb = nbformat.read(path, as_version=4)
         title = _title(nb, path.stem)
-        body, _ = exporter.from_notebook_node(_static_widgets(nb), resources={"metadata": {"name": f"{title} · fsdplab"}})
+        body, _ = exporter.from_notebook_node(_static_widgets(nb),
+                                              resources={"metadata": {"name": f"{title} · fsdplab"}})
         body = _CDN_SCRIPT.sub("", body).replace("<head>", "<head>" + _NO_ICON + _LESSON_STYLE, 1)
         body = body.replace("<body", f'<body data-machine="{html.escape(machine)}"', 1)
         found = verdicts(nb)
@@ -275,7 +280,8 @@ def _write_site(run: Path, lessons: list, out: Path, built: dict) -> None:
                f'{html.escape(machine)}</p>{_claim_list(path.stem, found)}{_records_table(nb)}</div>')
         body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + top, body, count=1)
         (out / f"{path.stem}.html").write_text(body)
-        index.append(f'<div class="lesson"><a href="{path.stem}.html"><b>{html.escape(title)}</b></a><br>{badges}</div>')
+        index.append(f'<div class="lesson"><a href="{path.stem}.html"><b>{html.escape(title)}</b></a><br>'
+                     f'{badges}</div>')
         entries.append({"url": f"{path.stem}.html", "title": title, "text": _text(nb)})
         built["lessons"].append(path.stem)
         built["verdicts"] += len(found)
@@ -290,8 +296,8 @@ def _write_site(run: Path, lessons: list, out: Path, built: dict) -> None:
         built["docs"].append(name)
     docs_links = "".join(f'<li><a href="{n}.html">{html.escape(docs[n][0])}</a></li>' for n in built["docs"])
     gpu_note = ("" if info.get("gpus") else "<p>GPU runs: none published yet. Build a second site from a run on GPUs "
-                "(<code>fsdplab run --out runs-gpu</code>, then <code>fsdplab site runs-gpu --out site-gpu</code>); its "
-                "pages carry the GPUs' names the same way.</p>")
+                "(<code>fsdplab run --out runs-gpu</code>, then <code>fsdplab site runs-gpu --out site-gpu</code>); "
+                "its pages carry the GPUs' names the same way.</p>")
     (out / "index.html").write_text(_page("fsdplab", (
         "<h1>fsdplab: a hands-on lab for PyTorch FSDP</h1><p>Every lesson below was executed on live ranks; each "
         "badge is a verdict the lesson computed, linked to the cell that printed it.</p>"

@@ -17,7 +17,8 @@ import types
 
 # Frames that are the lab's plumbing, never the user's code.
 _PLUMBING = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets)[/\\]"
-                       r"|[/\\]fsdplab[/\\]runtime[/\\](cluster|call|on_rank|magics)\.py$|[/\\]fsdplab[/\\]ranks\.py$|^<frozen runpy>$")
+                       r"|[/\\]fsdplab[/\\]runtime[/\\](cluster|call|on_rank|magics)\.py$"
+                       r"|[/\\]fsdplab[/\\]ranks\.py$|^<frozen runpy>$")
 # Longest first: site-packages lives inside the standard library's folder.
 _LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in
                                (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],

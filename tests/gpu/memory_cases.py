@@ -53,7 +53,8 @@ def skip_reason(gpu_view: dict, free_bytes: int) -> str | None:
     if need <= free_bytes:
         return None
     return (f"needs about {need / GIB:.1f} GiB free ({FIT_MARGIN}x the estimated device use of "
-            f"{gpu_view['nvidia_smi'] / GIB:.1f} GiB, + {FIT_SLACK / GIB:.0f} GiB); the GPU has {free_bytes / GIB:.1f} GiB free")
+            f"{gpu_view['nvidia_smi'] / GIB:.1f} GiB, + {FIT_SLACK / GIB:.0f} GiB); the GPU has "
+            f"{free_bytes / GIB:.1f} GiB free")
 
 
 def rows(measured: dict, estimate) -> dict:

@@ -102,7 +102,7 @@ def test_parameters_parse_and_world_size_is_declared(caplog):
     assert {"world_size", "world_sizes", "wrap_layers", "estimate_workers"} <= set(declared)
 
 
-@pytest.mark.parametrize("needle", ["ddp7_state > 80e9", "24.3", "dash.set(", "24,576", "DP too", "sharding_math.shard_layout",
-                                    "the posts' sequence length", "gpu_mem_gib=24)"])
+@pytest.mark.parametrize("needle", ["ddp7_state > 80e9", "24.3", "dash.set(", "24,576", "DP too",
+                                    "sharding_math.shard_layout", "the posts' sequence length", "gpu_mem_gib=24)"])
 def test_fixed_statements_stay_fixed(needle):
     assert needle not in NOTEBOOK.read_text()

@@ -1,5 +1,5 @@
-"""fsdplab.lessons.offload: bandwidth constants, bytes moved, the per-rank ledger, the step-time model; lesson 03's module
-(fsdplab.lessons.cpu_offload): its cost tables, figure, dashboard, verdicts and exercise."""
+"""fsdplab.lessons.offload: bandwidth constants, bytes moved, the per-rank ledger, the step-time model; lesson 03's
+module (fsdplab.lessons.cpu_offload): its cost tables, figure, dashboard, verdicts and exercise."""
 
 import math
 

@@ -77,8 +77,9 @@ class _GPURanks:
 
     def run(self, fn, *args):
         units = [{"unit": unit, "policy": "CPUOffloadPolicy", "offload": True, "pinned": self.pinned,
-                  "owners": owners} for unit, owners in (("root", ["embed", "norm", "head"]), ("blocks.0", ["blocks.0"]),
-                                                         ("blocks.1", ["blocks.1"]), ("blocks.2", ["blocks.2"]))]
+                  "owners": owners} for unit, owners in (("root", ["embed", "norm", "head"]),
+                                                         ("blocks.0", ["blocks.0"]), ("blocks.1", ["blocks.1"]),
+                                                         ("blocks.2", ["blocks.2"]))]
         where = {"parameters": [self.where], "gradients": ["cpu"], "optimizer state": ["cpu"]}
         return [{"rank": r, "world_size": 2, "device": "cuda", "blocks": ["blocks.0", "blocks.1", "blocks.2"],
                  "ref_loss": 4.6, "ref_peak": 600_000, "units": units, "plain": [], "returned": "AdamW",

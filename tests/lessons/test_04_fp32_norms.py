@@ -60,4 +60,5 @@ def test_no_function_and_a_raising_one(cluster):
         raise RuntimeError("no policy yet\nsecond line")
 
     raised = check("04-fp32-norms", broken, cluster=cluster)
-    assert not raised.ok and raised.message.endswith("RuntimeError: no policy yet") and "Traceback" not in raised.message
+    assert (not raised.ok and raised.message.endswith("RuntimeError: no policy yet")
+            and "Traceback" not in raised.message)

@@ -204,7 +204,8 @@ def test_a_group_of_the_cluster_runs_alone(cluster):
     assert alone[1] is None and alone[0]["world_size"] == 1 and alone[0]["rel_error"] < 1e-6
     curves = on_group(cluster, 1, P.train_curve_on_rank, "fp32", 2, CFG)
     assert len(curves) == 1 and all(math.isfinite(v) for v in curves[0])
-    assert on_group(cluster, 1, P.scaler_agreement_on_rank, "agree", steps=2, inf_step=1, inf_rank=0, cfg=CFG)[0]["stepped"] == [True, False]
+    assert on_group(cluster, 1, P.scaler_agreement_on_rank, "agree", steps=2, inf_step=1, inf_rank=0,
+                    cfg=CFG)[0]["stepped"] == [True, False]
 
 
 def test_fp16_model_goes_nan_and_bf16_trains(cluster):

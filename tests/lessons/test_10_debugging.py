@@ -56,12 +56,14 @@ def test_analyzer_failure_is_one_line():
 
 def test_detail_summary_keeps_what_differs():
     message = ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
-               "SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[4], TensorDtypes=Float, TensorDeviceTypes=TensorOptions("
-               "dtype=float (default), device=cpu)), but Rank 1 is running collective: CollectiveFingerPrint("
-               "SequenceNumber=0, OpType=BROADCAST, TensorShape=[4], TensorDtypes=Float, TensorDeviceTypes=...)")
+               "SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[4], TensorDtypes=Float, TensorDeviceTypes="
+               "TensorOptions(dtype=float (default), device=cpu)), but Rank 1 is running collective: "
+               "CollectiveFingerPrint(SequenceNumber=0, OpType=BROADCAST, TensorShape=[4], TensorDtypes=Float, "
+               "TensorDeviceTypes=...)")
     assert dbg.detail_summary(message) == ("mismatch: rank 0: ALLREDUCE #0 shape [4] Float; "
                                            "rank 1: BROADCAST #0 shape [4] Float")
-    assert dbg.detail_summary("Ranks 1 failed to pass monitoredBarrier\nmore") == "Ranks 1 failed to pass monitoredBarrier"
+    assert (dbg.detail_summary("Ranks 1 failed to pass monitoredBarrier\nmore")
+            == "Ranks 1 failed to pass monitoredBarrier")
 
 
 def test_compute_seconds_counts_nested_ranges_once_and_the_score():

@@ -2,8 +2,8 @@
 
 The exported script of lessons 02 and 09, run by torchrun on 2 gloo ranks, records what the notebook records:
 every record the notebook made, the same within its tolerance (timings listed, not compared). The notebook's
-records come from tests/lessons/test_notebooks.py's run in the same session when there was one (this file runs after it),
-else from a run here."""
+records come from tests/lessons/test_notebooks.py's run in the same session when there was one (this file runs
+after it), else from a run here."""
 
 import ast
 import json

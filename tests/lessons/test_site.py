@@ -100,7 +100,8 @@ def test_a_small_run_becomes_pages_with_badges_links_and_search(small_run, tmp_p
     out = tmp_path / "site"
     assert cli.main(["site", str(small_run), "--out", str(out)]) == 0
     built = json.loads((out / "search.json").read_text())
-    assert {"01_first.html", "02_second.html", "index.html", "search.html", "readme.html"} <= {p.name for p in out.iterdir()}
+    assert ({"01_first.html", "02_second.html", "index.html", "search.html", "readme.html"}
+            <= {p.name for p in out.iterdir()})
     index = (out / "index.html").read_text()
     badges = re.findall(r'class="badge" style="background:(#\w+)" href="([^"]+)"[^>]*>([^<]+)<', index)
     assert [(label, colour) for colour, _, label in badges] == [
@@ -267,6 +268,7 @@ def test_a_lessons_records_show_as_a_table_on_its_page(tmp_path):
     page = (out / "03_third.html").read_text()
     table = re.search(r'<table class="records">(.*?)</table>', page).group(1)
     cells = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
-    assert cells == [["<code>03-bytes</code>", "4,096 B", "7", "", ""], ["<code>03-step</code>", "0.25 s", "", "timing", ""]]
+    assert cells == [["<code>03-bytes</code>", "4,096 B", "7", "", ""],
+                     ["<code>03-step</code>", "0.25 s", "", "timing", ""]]
     assert "Checks: 1 of 2 ok; <b>03-faster failed</b>: 0.3 s &gt; 0.2 s" in page
     assert 'class="records"' not in (out / "04_none.html").read_text()

@@ -178,7 +178,8 @@ def test_launcher_objects_hold_their_options_and_the_flat_form_still_works(monke
     written = launchers.resolve(fsdplab.Slurm(nodes=2, partition="gpu", time_limit="2:00:00"), dict.fromkeys(flat))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert launchers.resolve("slurm", flat) == written == fsdplab.Slurm(nodes=2, partition="gpu", time_limit="2:00:00")
+        assert (launchers.resolve("slurm", flat) == written
+                == fsdplab.Slurm(nodes=2, partition="gpu", time_limit="2:00:00"))
     [note] = [w for w in seen if issubclass(w.category, FutureWarning)]
     assert "launcher=fsdplab.Slurm(nodes=2, partition='gpu', time_limit='2:00:00')" in str(note.message)
     assert launchers.resolve(fsdplab.Ssh(hosts=["a"]), dict.fromkeys(flat)).hosts == ["a"]

@@ -60,7 +60,8 @@ def jupyterlab(root: Path, home: Path):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start; log: {(home / 'jupyterlab.log').read_text()[-2000:]}")
+                    raise RuntimeError("JupyterLab did not start; log: "
+                                       f"{(home / 'jupyterlab.log').read_text()[-2000:]}")
                 time.sleep(0.5)
         yield base, token
     finally:
@@ -131,7 +132,8 @@ class LabPage:
     def errors(self) -> list:
         """Text of every error output (a traceback) shown in the page."""
         return self.page.evaluate("""() => [...document.querySelectorAll(
-            '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"], .jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]')]
+            '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"], \
+.jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]')]
             .map(e => e.textContent.slice(0, 2000))""")
 
     def text(self) -> str:

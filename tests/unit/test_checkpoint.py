@@ -159,7 +159,8 @@ def test_save_full_on_a_full_disk_is_one_line_and_leaves_no_temp_file(tmp_path, 
     import safetensors.torch
 
     model, _ = ck.sharded_tiny(CFG, seed=0)
-    monkeypatch.setattr(safetensors.torch, "save_file", lambda state, name, **kw: (open(name, "wb").write(b"x"), _no_space()))
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda state, name, **kw: (open(name, "wb").write(b"x"), _no_space()))
     with pytest.raises(ck.CheckpointDiskFull) as err:
         ck.save_full(model, tmp_path / "model.safetensors")
     message = str(err.value)
@@ -176,8 +177,8 @@ def test_full_disk_during_a_sharded_save_is_one_line_and_the_next_save_works(tmp
     err = _disk_full_at_step2(model, opt, tmp_path)
     message = str(err)
     assert err.errno == errno.ENOSPC and isinstance(err, OSError) and "\n" not in message
-    for part in ("No space left on device (ENOSPC)", "rank 0", "step 2", str(tmp_path), "removed the partial step-2.tmp",
-                 "still step-1", "Free space"):
+    for part in ("No space left on device (ENOSPC)", "rank 0", "step 2", str(tmp_path),
+                 "removed the partial step-2.tmp", "still step-1", "Free space"):
         assert part in message, (part, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]   # no debris holds the disk
     monkeypatch.undo()

@@ -167,7 +167,8 @@ def test_build_sharded_builds_rank_0s_full_copy_where_full_copy_device_says(monk
     monkeypatch.setattr(sharding, "full_copy_device", lambda model, device, model_path=None: asked.append(
         (torch.device(device), model_path)) or where)
     build_model = sharding.build_model
-    monkeypatch.setattr(sharding, "build_model", lambda setting, **kw: built.append(kw["device"]) or build_model(setting, **kw))
+    monkeypatch.setattr(sharding, "build_model",
+                        lambda setting, **kw: built.append(kw["device"]) or build_model(setting, **kw))
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         model = sharding.build_sharded(TrainSetting(model="tiny"), init_device_mesh("cpu", (1,)), device="cpu", seed=5)

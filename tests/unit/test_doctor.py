@@ -172,7 +172,8 @@ def test_packages_against_fsdplab_requirements(machine):
     [old] = levels(report, D.WARNING)
     assert old.text.startswith("torch 2.11.0+cu130 is outside what fsdplab supports (torch>=2.13)")
     [missing] = levels(report, D.ERROR)
-    assert missing.text == "peft is not installed (fsdplab needs peft>=0.21)" and missing.fix == "pip install 'peft>=0.21'"
+    assert (missing.text == "peft is not installed (fsdplab needs peft>=0.21)"
+            and missing.fix == "pip install 'peft>=0.21'")
 
 
 def test_the_notebook_call_leaves_cuda_to_a_child_process(machine):

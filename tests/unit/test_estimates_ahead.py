@@ -82,7 +82,8 @@ def test_started_in_the_background_at_the_lowest_priority_and_stopped_with_nothi
 def test_one_module_starts_estimate_processes():
     """Every estimate out of process goes through fsdplab.memory.workers (one set-up, one way to stop it)."""
     package = Path(memory.__file__).parent.parent
-    starts = re.compile(r"ProcessPoolExecutor\(|multiprocessing\.(Process|Pool)\(|get_context\(|-m\", \"fsdplab\.(memory|estimates_ahead)")
+    starts = re.compile(r"ProcessPoolExecutor\(|multiprocessing\.(Process|Pool)\(|get_context\("
+                        r"|-m\", \"fsdplab\.(memory|estimates_ahead)")
     found = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if starts.search(p.read_text()))
     assert found == ["memory/workers.py"], found
 

@@ -37,7 +37,8 @@ from fsdplab import models, sharding
 
 def run_as_cuda(*parts: str, timeout: float = 60) -> str:
     """Run the code `parts` inside `with fake_cuda(2):` in a fresh interpreter; fail with its traceback's last lines."""
-    source = PRELUDE + "with fake_cuda(2):\n" + textwrap.indent("".join(textwrap.dedent(p) for p in parts), "    ") + "\nprint('OK')\n"
+    source = (PRELUDE + "with fake_cuda(2):\n" + textwrap.indent("".join(textwrap.dedent(p) for p in parts), "    ")
+              + "\nprint('OK')\n")
     source_root = os.environ.get("FSDPLAB_SOURCE", str(ROOT))   # another checkout of the code under test
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [source_root,
                                                                    os.environ.get("PYTHONPATH")])))

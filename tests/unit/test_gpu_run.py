@@ -56,7 +56,8 @@ def test_a_failure_or_a_hang_gives_exit_code_1(tmp_path):
     assert proc.returncode == 1 and report["exit_code"] == 1, proc.stdout + proc.stderr
     files = report["files"]
     assert files["test_ok"]["status"] == "passed" and files["test_ok"]["passed"] == 1
-    assert files["test_bad"]["status"] == "failed" and (files["test_bad"]["failed"], files["test_bad"]["passed"]) == (1, 1)
+    assert (files["test_bad"]["status"] == "failed"
+            and (files["test_bad"]["failed"], files["test_bad"]["passed"]) == (1, 1))
     assert "assert 1 == 2" in files["test_bad"]["tail"]
     assert files["test_slow"]["status"] == "timeout" and files["test_slow"]["seconds"] < 40
     # The budget spent: a file is reported as not run, which is not a failure but not a pass either.
@@ -142,12 +143,14 @@ def test_plan_by_gpu_count(tmp_path):
     plan = load("gpu_plan").plan
     one = plan(gpus(1), tmp_path, "py")
     assert names(one) == [[["01_doctor"]], [["02_lessons_ws1"],
-                                             ["04_gpu_tests", "05_recipe_bf16", "06_recipe_fp16", "07_recipe_cpu_offload"]],
+                                             ["04_gpu_tests", "05_recipe_bf16", "06_recipe_fp16",
+                                              "07_recipe_cpu_offload"]],
                           [["08_memory"]]]
     steps = {s["name"]: s for phase in one for lane in phase for s in lane}
     assert steps["01_doctor"]["cmd"] == ["py", "-m", "fsdplab", "doctor"]
     assert steps["02_lessons_ws1"]["cmd"][:4] == ["py", "-m", "fsdplab", "run"]
-    assert "--world-size" in steps["02_lessons_ws1"]["cmd"] and steps["02_lessons_ws1"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert ("--world-size" in steps["02_lessons_ws1"]["cmd"]
+            and steps["02_lessons_ws1"]["env"]["CUDA_VISIBLE_DEVICES"] == "0")
     recipe = steps["06_recipe_fp16"]["cmd"]
     assert recipe[recipe.index("--nproc_per_node") + 1] == "1" and "--precision" in recipe and "fp16" in recipe
     assert "--cpu-offload" in steps["07_recipe_cpu_offload"]["cmd"]
@@ -167,7 +170,8 @@ def test_plan_by_gpu_count(tmp_path):
     assert two["03_lessons_ws2_nccl"]["env"]["CUDA_VISIBLE_DEVICES"] == "0,1" and "03b_lessons_ws4_nccl" not in two
     # A set mask is kept: the GPUs are the mask's.
     masked = plan({**gpus(2), "cuda_visible_devices": "4,6"}, tmp_path, "py")
-    assert {s["name"]: s for p in masked for line in p for s in line}["05_recipe_bf16"]["env"]["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert ({s["name"]: s for p in masked for line in p for s in line}["05_recipe_bf16"]["env"]["CUDA_VISIBLE_DEVICES"]
+            == "4,6")
     # EXCLUSIVE_PROCESS: a GPU takes one process, so nothing runs side by side.
     exclusive = names(plan(gpus(4, "Exclusive_Process"), tmp_path, "py"))
     assert len(exclusive[1]) == 1 and exclusive[1][0][0] == "02_lessons_ws1"

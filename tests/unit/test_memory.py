@@ -226,8 +226,8 @@ def _live_mismatches(report, est) -> list:
                                      dict(strategy="fsdp1_no_shard", precision="fp32"),
                                      dict(lora_rank=8, adapter_dtype="bf16", base_dtype="bf16"),
                                      dict(loss_chunks=4), dict(activation_checkpointing="selective"),
-                                     dict(activation_checkpointing=2), dict(use_cache=True), dict(embed_head_units=True),
-                                     dict(activation_checkpointing="reentrant")])
+                                     dict(activation_checkpointing=2), dict(use_cache=True),
+                                     dict(embed_head_units=True), dict(activation_checkpointing="reentrant")])
 def test_estimate_matches_live_ranks_per_category(cluster, setting):
     est = estimate(model="tiny", world_size=2, seq_len=64, progress=False, **setting)
     _match_live(cluster, est, model="tiny", world_size=2, seq_len=64, **setting)
@@ -398,7 +398,8 @@ def test_cpu_offload_has_a_gpu_view_of_what_stays_on_the_gpu():
     # the replayed GPU part peaks where the tracker's on-device tally does (each tensor rounded to 512 B)
     assert off.peak_bytes <= view["allocated_peak_rounded"] < off.peak_bytes * 1.05
     assert view["reserved"] >= view["allocated_peak_rounded"]
-    assert view["reserved"] < on.gpu_view["reserved"] and view["allocated_peak_rounded"] < on.gpu_view["allocated_peak_rounded"]
+    assert (view["reserved"] < on.gpu_view["reserved"]
+            and view["allocated_peak_rounded"] < on.gpu_view["allocated_peak_rounded"])
 
 
 def test_the_gpu_side_of_an_offloaded_step():

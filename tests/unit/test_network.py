@@ -1,5 +1,5 @@
-"""fsdplab.network and fsdplab.runtime.hosts: the ratio lesson 07 quotes instead of "one to two orders of magnitude", the bytes that cross
-node boundaries in the cost model, and this machine's interfaces and their byte counters."""
+"""fsdplab.network and fsdplab.runtime.hosts: the ratio lesson 07 quotes instead of "one to two orders of magnitude",
+the bytes that cross node boundaries in the cost model, and this machine's interfaces and their byte counters."""
 
 import socket
 import threading

@@ -1,5 +1,5 @@
-"""Published per-GPU peaks measured on real GPUs (fsdplab.memory.published.CASES, with their sources): the estimate of each
-stays within the tolerance the case states, for the reason it states."""
+"""Published per-GPU peaks measured on real GPUs (fsdplab.memory.published.CASES, with their sources): the estimate of
+each stays within the tolerance the case states, for the reason it states."""
 
 import pytest
 

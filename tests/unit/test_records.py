@@ -1,6 +1,7 @@
 """fsdplab.records outside a kernel (a script, a rank), reading records back, and what `fsdplab compare` flags.
 
-The display inside a real kernel is exercised by the lesson runs (tests/lessons/test_notebooks.py reads their records)."""
+The display inside a real kernel is exercised by the lesson runs (tests/lessons/test_notebooks.py reads their
+records)."""
 
 import json
 
