@@ -32,6 +32,29 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _worker_group(item) -> str | None:
+    """The tests that must share one worker under pytest-xdist (`-n 2 --dist loadgroup`): the multi-node daemons
+    (fixed node names and addresses), the matrix (one module fixture runs every selected lesson), and the tests
+    that read the lessons this session executed (`executed_lessons`, one folder per worker)."""
+    path = item.path.as_posix()
+    if "/tests/multinode/" in path:
+        return "multinode"
+    if item.get_closest_marker("matrix"):
+        return "matrix"
+    if "executed_lessons" in getattr(item, "fixturenames", ()):
+        return "executed-lessons"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = _worker_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def _healthy(cluster) -> bool:
     if not cluster.running or cluster.broken is not None:
         return False
