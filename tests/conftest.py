@@ -32,27 +32,40 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _worker_group(item) -> str | None:
-    """The tests that must share one worker under pytest-xdist (`-n 2 --dist loadgroup`): the multi-node daemons
-    (fixed node names and addresses), the matrix (one module fixture runs every selected lesson), and the tests
-    that read the lessons this session executed (`executed_lessons`, one folder per worker)."""
-    path = item.path.as_posix()
-    if "/tests/multinode/" in path:
+# pytest-xdist (`-n 2 --dist loadgroup`, as CI runs the suite): the tests that share something across a session run
+# on one worker, in their order: the multi-node daemons (fixed node names and addresses), the matrix (one module
+# fixture runs every selected lesson), and the tests that read the lessons this session executed
+# (`executed_lessons`, one folder per worker). The groups are given here by test id: xdist's own xdist_group mark
+# is lost under pytest 9, which no longer lets a plugin rename a test (pytest-xdist issue 1386).
+EXECUTED_LESSON_TESTS = ("tests/lessons/test_notebooks.py::test_lesson_runs[", "tests/lessons/test_site.py::",
+                         "tests/lessons/test_script_export.py::test_the_exported_lesson_records_what_the_notebook_",
+                         "tests/lessons/test_script_export.py::test_ranks_cells_pasted_into_a_script_print_the_")
+
+
+def worker_group(nodeid: str) -> str | None:
+    """The group a test must share a worker with, or None."""
+    if nodeid.startswith("tests/multinode/"):
         return "multinode"
-    if item.get_closest_marker("matrix"):
+    if "::test_lesson_runs_at_any_world_size[" in nodeid:
         return "matrix"
-    if "executed_lessons" in getattr(item, "fixturenames", ()):
+    if nodeid.startswith(EXECUTED_LESSON_TESTS):
         return "executed-lessons"
     return None
 
 
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = _worker_group(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        """xdist's scope scheduling with one scope per group and one per other test, largest first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid) or nodeid
+
+    return Groups(config, log)
 
 
 def _healthy(cluster) -> bool:
