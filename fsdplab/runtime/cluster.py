@@ -181,8 +181,11 @@ class Cluster:
             controller_args=controller_args, **self.launcher.ipp_args(self._plan))
         config = group.ipp.config
         config.LocalEngineSetLauncher.environment = config.LocalControllerLauncher.environment = env
-        # No nanny process per engine: the kernel watches and signals the ranks itself.
-        config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
+        # No nanny process per engine: the kernel watches and signals the ranks itself. An engine waits for the
+        # controller's answer to its registration as long as the kernel waits for the ranks: at ipyparallel's
+        # 5 s a loaded machine's engines gave up and quit, and the start failed only at start_timeout.
+        config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False",
+                                                     f"--IPEngine.timeout={self.start_timeout:g}"]
         # ipyparallel waits 0.1 s between engines by default, to keep their ids in launch order; nothing here
         # needs that (each rank's process is known from its setup's answer).
         config.LocalEngineSetLauncher.delay = 0

@@ -226,6 +226,14 @@ def test_no_orphans_when_collected_or_when_the_kernel_is_killed(how, tmp_path):
         owner.wait()
 
 
+def test_engines_wait_for_their_registration_as_long_as_the_start():
+    # ipyparallel's engine gives up after 5 s without the controller's answer: on a loaded machine its ranks quit
+    # and the start failed only at start_timeout ("did not start within 120 s").
+    with fsdplab.Cluster(1, backend="gloo", quiet=True, spares=False, start_timeout=77) as c:
+        [engine] = [psutil.Process(pid).cmdline() for pid in c.pids]
+    assert "--IPEngine.timeout=77" in engine, engine
+
+
 def test_stop_ends_every_process():
     c = fsdplab.Cluster(2, backend="gloo", quiet=True).start()
     pids = c.pids + [c._group.ipp.controller.process.pid]
