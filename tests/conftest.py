@@ -32,9 +32,9 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# pytest-xdist (`-n 2 --dist loadgroup`, as CI runs the suite): the tests that share something across a session run
-# on one worker, in their order: the multi-node daemons (fixed node names and addresses), the matrix (one module
-# fixture runs every selected lesson), and the tests that read the lessons this session executed
+# pytest-xdist (`-n 2 --dist loadgroup`; CI runs the suite one at a time): the tests that share something across a
+# session run on one worker, in their order: the multi-node daemons (fixed node names and addresses), the matrix
+# (one module fixture runs every selected lesson), and the tests that read the lessons this session executed
 # (`executed_lessons`, one folder per worker). The groups are given here by test id: xdist's own xdist_group mark
 # is lost under pytest 9, which no longer lets a plugin rename a test (pytest-xdist issue 1386).
 EXECUTED_LESSON_TESTS = ("tests/lessons/test_notebooks.py::test_lesson_runs[", "tests/lessons/test_site.py::",
