@@ -4,13 +4,16 @@
     python benchmarks/estimate.py --repeat 3       # more runs: the medians steady on a busy machine
     python benchmarks/estimate.py --quick          # the tiny model only
     python benchmarks/estimate.py --before HEAD~3  # against another commit
+    python benchmarks/estimate.py --command        # the whole `python -m fsdplab estimate` process, start to exit
 
 Each run is a fresh subprocess (its peak RSS is its own) that imports fsdplab either from this working tree
 ("after") or from `git archive <before> fsdplab`, unpacked in a temporary folder ("before"; the archive only
 reads the repository). The two alternate, so a change in the machine's load hits both alike. Every number
 an estimate reports (the peak, each category, each category's own peak, the resident shards, the tracker's
 raw split) must be the same from both: any difference is printed and the exit status is 1. The table shows
-the median seconds of the estimate() call, the median peak RSS of the process, and after / before.
+the median seconds of the estimate() call, the median peak RSS of the process, and after / before. With
+`--command` each run is the whole command a user waits for, `python -m fsdplab estimate ... --json` from its
+start to its exit (imports and interpreter shutdown included), and the seconds are that wall time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # main before the estimator's speed-up: the DTensor optimizer step and two full training steps.
@@ -77,6 +81,41 @@ def run(code_root: str, setting: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def flags(setting: dict) -> list:
+    """`fsdplab estimate` flags for one of SETTINGS."""
+    argv = ["--model", setting["model"], "--world-size", str(setting["world_size"]), "--seq-len",
+            str(setting["seq_len"])]
+    if setting.get("lora_rank"):
+        argv += ["--lora-rank", str(setting["lora_rank"])]
+    if setting.get("precision"):
+        argv += ["--precision", setting["precision"]]
+    if setting.get("activation_checkpointing"):
+        argv += ["--activation-checkpointing", "full"]
+    if setting.get("cpu_offload"):
+        argv += ["--cpu-offload"]
+    return argv
+
+
+def run_command(code_root: str, setting: dict) -> dict:
+    """The whole `python -m fsdplab estimate ... --json` process from `code_root`: its wall seconds from start
+    to exit, its own peak RSS (wait4) and the numbers it printed. No estimate cache: each run estimates."""
+    env = dict(os.environ, PYTHONPATH=code_root, FSDPLAB_ESTIMATE_CACHE="")
+    with tempfile.TemporaryFile("w+") as errors:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "fsdplab", "estimate", *flags(setting), "--json"],
+                                cwd=code_root, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)          # this child's own rusage
+        seconds = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        errors.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"fsdplab estimate failed in {code_root}:\n{errors.read()[-3000:]}")
+    rss_mib = usage.ru_maxrss / 1024
+    data = json.loads(out.strip().splitlines()[-1])
+    return {"seconds": seconds, "rss_mib": rss_mib, "numbers": {k: data[k] for k in NUMBERS}}
+
+
 def label(setting: dict) -> str:
     return setting["model"] + " " + ", ".join(f"{k}={v}" for k, v in setting.items() if k != "model")
 
@@ -87,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="runs of each code path per setting (default 2)")
     parser.add_argument("--before", default=BEFORE, help=f"the commit to compare with (default {BEFORE[:9]})")
     parser.add_argument("--first", type=int, default=None, help="only the first N settings")
+    parser.add_argument("--command", action="store_true",
+                        help="time the whole `python -m fsdplab estimate` process (start to exit), not the call")
     args = parser.parse_args(argv)
     from fsdplab.settings import GIB
 
@@ -100,7 +141,7 @@ def main(argv=None) -> int:
             runs = {"before": [], "after": []}
             for i in range(args.repeat):
                 for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
-                    r = run(roots[side], setting)
+                    r = (run_command if args.command else run)(roots[side], setting)
                     runs[side].append(r)
                     print(f"  {side:<6} run {i + 1}: {r['seconds']:6.1f} s  peak RSS {r['rss_mib']:6.0f} MiB  "
                           f"peak {r['numbers']['peak_bytes']} B", flush=True)

@@ -2,6 +2,6 @@
 
 import sys
 
-from .runner.cli import main
+from .runner.cli import command
 
-sys.exit(main())
+sys.exit(command())

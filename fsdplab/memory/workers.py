@@ -17,6 +17,7 @@ ipyparallel engine and `python -m fsdplab` need nothing).
 
 from __future__ import annotations
 
+import gc
 import os
 import queue as queue_module
 
@@ -102,12 +103,20 @@ class _Lines:
 
 def set_up_for_estimates() -> None:
     """This process estimates on its own: no rank variables that would make it a rank of the caller's group, one
-    torch thread (one core per worker)."""
+    torch thread (one core per worker). The estimator's imports run with the garbage collector paused, and what
+    they make is then set aside for good (gc.freeze): it lives as long as the worker, and every full collection
+    would scan it again (fsdplab.runner.collector does the same for the `fsdplab` command)."""
     for name in RANK_ENV:
         os.environ.pop(name, None)
+    gc.disable()
     import torch
 
+    from . import exact  # noqa: F401  (and, through it, torch.distributed and transformers)
+    from .. import models  # noqa: F401
+
     torch.set_num_threads(1)
+    gc.freeze()
+    gc.enable()
 
 
 def _set_up(background: bool, lines) -> None:

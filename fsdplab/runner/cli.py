@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import collector
 from . import lab as lab_module
 from . import export
 from .estimate_command import estimate_command
@@ -307,6 +308,8 @@ def main(argv=None) -> int:
     est.error = _one_line_error(est)
 
     args = parser.parse_args(argv)
+    if args.command != "estimate":        # an estimate resumes once its model's module is imported
+        collector.resume()
     try:
         if args.command == "lab":
             return lab_module.lab_command(args)
@@ -333,5 +336,15 @@ def main(argv=None) -> int:
         return 2
 
 
+def command() -> int:
+    """The `fsdplab` command in a process of its own (the console script, `python -m fsdplab`): `main()` with
+    the garbage collector paused through the imports (fsdplab.runner.collector)."""
+    collector.pause()
+    try:
+        return main()
+    finally:
+        collector.resume()                # the collection at exit skips what the imports made
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

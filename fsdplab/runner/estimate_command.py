@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from . import collector
 from .flags import at_least, check_output_file, positive_ints
 from ..settings import LORA_TARGETS, MAX_WORLD_SIZE, WORLD_SIZE_BOUND, TrainSetting
 
@@ -94,6 +95,7 @@ def estimate_command(args) -> int:
         if args.timeline or args.memory_snapshot:
             raise ValueError("--timeline and --memory-snapshot show one setting's step: give one --seq-len, "
                              "--batch-size and --world-size.")
+        collector.resume()            # the sweep's points run in worker processes
         result = sweep(setting, seq_lens=seq_lens, batch_sizes=batch_sizes, world_sizes=world_sizes,
                        gpu_mem_gib=args.gpu_mem_gib, workers=args.workers)
         if args.plot:
@@ -104,7 +106,8 @@ def estimate_command(args) -> int:
         if args.plot and not args.json:
             print(f"heat map: {args.plot}")
         return 0
-    check(setting)
+    check(setting)                    # imports the model's module and builds it on the meta device
+    collector.resume()
     if args.memory_snapshot:
         from ..memory.exact import memory_snapshot
 
