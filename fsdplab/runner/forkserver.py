@@ -18,6 +18,7 @@ launcher, a killed kernel's watcher). The server dies with the process that star
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -209,7 +210,13 @@ def serve(path: str) -> None:
     os.chmod(path + ".tmp", 0o600)
     listener.listen(64)
     os.replace(path + ".tmp", path)   # clients that come during the imports wait for their fork
+    # What the imports make lives as long as every fork: set aside for good (gc.freeze, as Python's documentation
+    # advises before forking), a fork's full collections neither scan it nor write to its pages (which would copy
+    # them, page by page, into each rank's memory).
+    gc.disable()
     _warm()
+    gc.freeze()
+    gc.enable()
     server = os.getpid()
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, ("accept", None))

@@ -54,6 +54,9 @@ def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, 
                               os.environ.get("OMP_NUM_THREADS"), forkserver.ENV in os.environ,
                               "FSDPLAB_LAUNCHED_BY" in os.environ))
         assert seen == [("from the kernel", str(scratch), str(c.threads), True, False)] * 2
+        # the server's imports are set aside (gc.freeze) before it forks: a rank's collections skip them
+        frozen = c.run(lambda: (__import__("gc").isenabled(), __import__("gc").get_freeze_count()))
+        assert all(enabled and count > 100_000 for enabled, count in frozen), frozen
         assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
     _wait_for(lambda: not _forks_of(server))
 
