@@ -474,12 +474,15 @@ def _full_disk_under_save_full(path):
     import safetensors.torch
 
     model, _ = ck.sharded_tiny(CFG, seed=0)
+    save_file = safetensors.torch.save_file
     if fsdplab.rank() == 0:
         safetensors.torch.save_file = lambda state, name, **kw: (open(name, "wb").write(b"x"), _no_space())
     try:
         ck.save_full(model, path)
     except ck.CheckpointDiskFull as err:
         return err.errno, str(err)
+    finally:   # the session's shared ranks serve the next test (the next module, with -n 2)
+        safetensors.torch.save_file = save_file
 
 
 def test_a_full_disk_on_one_rank_is_one_line_on_every_rank(cluster, tmp_path):
