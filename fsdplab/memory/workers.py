@@ -110,9 +110,9 @@ def set_up_for_estimates() -> None:
         os.environ.pop(name, None)
     gc.disable()
     import torch
+    import torch.distributed.fsdp  # noqa: F401
 
-    from . import exact  # noqa: F401  (and, through it, torch.distributed and transformers)
-    from .. import models  # noqa: F401
+    from .. import models  # noqa: F401  (and transformers)
 
     torch.set_num_threads(1)
     gc.freeze()
