@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import pickle
 import re
@@ -95,6 +96,7 @@ def analyze(folder) -> str:
     catch = logging.StreamHandler(out)
     log = logging.getLogger("Flight Recorder")
     kept, log.handlers = log.handlers, [catch]
+    collecting = gc.isenabled()   # the analyzer turns Python's garbage collector off for good (a command's habit)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             from torch.distributed.flight_recorder import fr_trace   # says "tabulate is not installed" once
@@ -106,6 +108,8 @@ def analyze(folder) -> str:
         return f"analyzer failed: {type(err).__name__}: {err}"
     finally:
         log.handlers = kept
+        if collecting:            # this kernel's collector stays on
+            gc.enable()
     lines = [line for line in out.getvalue().splitlines() if line.strip() and "tabulate is not installed" not in line]
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@ are stuck), the repair torch's analyzer needs on gloo dumps, DETAIL's message cu
 numbers, `Cluster(env=...)`, and the exercise checker tried with a learner's wrong answers. The lesson itself runs
 in tests/lessons/test_notebooks.py."""
 
+import gc
 import pickle
 
 import pytest
@@ -23,6 +24,7 @@ def test_a_hang_is_dumped_from_every_rank_and_the_repaired_dumps_name_the_missin
     assert dump["entries"][-1]["profiling_name"].endswith("all_reduce")
     fixed = dbg.repair_group_names(tmp_path / "dumps", tmp_path / "fixed")
     report = dbg.analyze(fixed)
+    assert gc.isenabled(), "the analyzer left this process's garbage collector off"
     assert "Not all ranks joining" in report and "missing ranks: {1}" in report, report
     assert dbg.analyzer_verdict(report).startswith("Not all ranks joining")
     assert cluster.run(lambda: 1) == [1, 1]                   # the restarted group works
@@ -50,6 +52,8 @@ def test_repair_is_a_copy_that_leaves_agreeing_names_alone(tmp_path):
 
 def test_analyzer_failure_is_one_line():
     assert dbg.analyze("/nonexistent-folder").startswith("analyzer failed")
+    # torch's analyzer turns the garbage collector off for good; the kernel that ran it keeps its collector on
+    assert gc.isenabled()
     assert dbg.analyzer_verdict("analyzer failed: KeyError: ('0', 0)").startswith("analyzer failed")
     assert dbg.analyzer_verdict("") == "(no output)"
 

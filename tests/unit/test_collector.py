@@ -9,6 +9,7 @@ from fsdplab.runner.cli import main
 
 
 def test_resume_turns_collection_back_on_and_sets_aside_what_exists():
+    assert gc.isenabled(), "an earlier test left this process's garbage collector off"
     frozen = gc.get_freeze_count()
     collector.pause()
     try:
