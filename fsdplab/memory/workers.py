@@ -17,9 +17,10 @@ ipyparallel engine and `python -m fsdplab` need nothing).
 
 from __future__ import annotations
 
-import gc
 import os
 import queue as queue_module
+
+from ..runtime import collector
 
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -104,19 +105,17 @@ class _Lines:
 def set_up_for_estimates() -> None:
     """This process estimates on its own: no rank variables that would make it a rank of the caller's group, one
     torch thread (one core per worker). The estimator's imports run with the garbage collector paused, and what
-    they make is then set aside for good (gc.freeze): it lives as long as the worker, and every full collection
-    would scan it again (fsdplab.runner.collector does the same for the `fsdplab` command)."""
+    they make is then set aside for good (fsdplab.runtime.collector): it lives as long as the worker, and every
+    full collection would scan it again."""
     for name in RANK_ENV:
         os.environ.pop(name, None)
-    gc.disable()
-    import torch
-    import torch.distributed.fsdp  # noqa: F401
+    with collector.set_aside():
+        import torch
+        import torch.distributed.fsdp  # noqa: F401
 
-    from .. import models  # noqa: F401  (and transformers)
+        from .. import models  # noqa: F401  (and transformers)
 
-    torch.set_num_threads(1)
-    gc.freeze()
-    gc.enable()
+        torch.set_num_threads(1)
 
 
 def _set_up(background: bool, lines) -> None:

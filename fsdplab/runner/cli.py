@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import collector
+from ..runtime import collector
 from . import lab as lab_module
 from . import export
 from .estimate_command import estimate_command
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
 
 def command() -> int:
     """The `fsdplab` command in a process of its own (the console script, `python -m fsdplab`): `main()` with
-    the garbage collector paused through the imports (fsdplab.runner.collector)."""
+    the garbage collector paused through the imports (fsdplab.runtime.collector)."""
     collector.pause()
     try:
         return main()

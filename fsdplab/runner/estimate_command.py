@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from . import collector
+from ..runtime import collector
 from .flags import at_least, check_output_file, positive_ints
 from ..settings import LORA_TARGETS, MAX_WORLD_SIZE, WORLD_SIZE_BOUND, TrainSetting
 

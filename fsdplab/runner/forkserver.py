@@ -18,7 +18,6 @@ launcher, a killed kernel's watcher). The server dies with the process that star
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import selectors
@@ -30,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..runtime import collector
 from ..runtime.processes import die_with_parent
 
 ENV = "FSDPLAB_FORKSERVER"
@@ -213,10 +213,8 @@ def serve(path: str) -> None:
     # What the imports make lives as long as every fork: set aside for good (gc.freeze, as Python's documentation
     # advises before forking), a fork's full collections neither scan it nor write to its pages (which would copy
     # them, page by page, into each rank's memory).
-    gc.disable()
-    _warm()
-    gc.freeze()
-    gc.enable()
+    with collector.set_aside():
+        _warm()
     server = os.getpid()
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, ("accept", None))

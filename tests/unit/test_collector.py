@@ -4,7 +4,7 @@ import gc
 import subprocess
 import sys
 
-from fsdplab.runner import collector
+from fsdplab.runtime import collector
 from fsdplab.runner.cli import main
 
 
