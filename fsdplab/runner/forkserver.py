@@ -72,7 +72,10 @@ def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
                                 "import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1])", path],
                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
                                env={"MPLBACKEND": INLINE_BACKEND, **os.environ, "OPENBLAS_NUM_THREADS": "1",
-                                    "PYTHONUNBUFFERED": "1"})
+                                    "PYTHONUNBUFFERED": "1",
+                                    # debugpy's import warns about frozen modules unless told not to check them,
+                                    # as papermill and ipykernel's kernel specs tell it
+                                    "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
     deadline = time.monotonic() + wait_s
     while not os.path.exists(path):   # it listens before it imports: clients wait for their fork
         if process.poll() is not None or time.monotonic() > deadline:
@@ -104,17 +107,26 @@ def stop(process: subprocess.Popen | None) -> None:
 
 
 def _warm() -> None:
-    """What every rank imports (the engine, the controller, torch's distributed and FSDP, fsdplab) and what
-    every lesson's kernel does (ipykernel, matplotlib with the backend ipykernel picks: `start` sets
-    MPLBACKEND as the kernel will). Nothing that acts on being imported into a kernel (ipywidgets)."""
+    """What every rank imports (the engine, the controller, torch's distributed and FSDP, torch._dynamo, which
+    the first `fully_shard` call imports, fsdplab and its estimator) and what every lesson's kernel does
+    (ipykernel and its debugger, matplotlib with the backend ipykernel picks: `start` sets MPLBACKEND as the
+    kernel will). Nothing that acts on being imported into a kernel: ipywidgets registers its comm targets only
+    when imported in one, and transformers imports it (through tqdm.auto), so transformers and peft are left to
+    the processes that use them."""
+    import ipykernel.debugger  # noqa: F401  (debugpy: each kernel imports it as it starts)
     import ipykernel.kernelapp  # noqa: F401
     import ipyparallel.controller.app  # noqa: F401
     import ipyparallel.engine.app  # noqa: F401
     import matplotlib.figure  # noqa: F401
+    import torch._dynamo  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.optim  # noqa: F401
 
+    import fsdplab.comms  # noqa: F401
+    import fsdplab.memory  # noqa: F401
     import fsdplab.runtime.on_rank  # noqa: F401
+    import fsdplab.sharding  # noqa: F401
 
 
 def _receive(conn: socket.socket) -> tuple:

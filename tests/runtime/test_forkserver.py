@@ -57,6 +57,9 @@ def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, 
         # the server's imports are set aside (gc.freeze) before it forks: a rank's collections skip them
         frozen = c.run(lambda: (__import__("gc").isenabled(), __import__("gc").get_freeze_count()))
         assert all(enabled and count > 100_000 for enabled, count in frozen), frozen
+        # what the first fully_shard imports is there already; what acts on being imported into a kernel is not
+        imported = c.run(lambda: [name in __import__("sys").modules for name in ("torch._dynamo", "ipywidgets")])
+        assert imported == [[True, False]] * 2, imported
         assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
     _wait_for(lambda: not _forks_of(server))
 
