@@ -62,6 +62,12 @@ def point_clusters_at(path: str | None) -> None:
         os.environ[PYTHON_COMMAND_ENV] = json.dumps([sys.executable, "-I", CLIENT])
 
 
+def running() -> str | None:
+    """The socket of the server this process forks from already (FSDPLAB_FORKSERVER, where it exists), or None."""
+    path = os.environ.get(ENV)
+    return path if path and available() and os.path.exists(path) else None
+
+
 def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
     """Start a server listening in `folder`, set FSDPLAB_FORKSERVER for this process and its children, and
     return the server's process (None where fork servers do not work, see `available`, or it did not start)."""
@@ -92,7 +98,8 @@ def kernel_spec(folder: str) -> str:
     spec = Path(folder) / "kernels" / "python3"
     spec.mkdir(parents=True, exist_ok=True)
     (spec / "kernel.json").write_text(json.dumps({
-        "argv": command("ipykernel_launcher") + ["-f", "{connection_file}"],
+        # ipywidgets' comm targets: the server imported it before any kernel existed (see `_warm`)
+        "argv": command("ipykernel_launcher") + ["-f", "{connection_file}", "--ext=ipywidgets"],
         "display_name": "Python 3 (ipykernel)", "language": "python", "metadata": {"debugger": True}}))
     return str(folder)
 
@@ -110,18 +117,20 @@ def _warm() -> None:
     """What every rank imports (the engine, the controller, torch's distributed and FSDP, torch._dynamo, which
     the first `fully_shard` call imports, fsdplab and its estimator) and what every lesson's kernel does
     (ipykernel and its debugger, matplotlib with the backend ipykernel picks: `start` sets MPLBACKEND as the
-    kernel will). Nothing that acts on being imported into a kernel: ipywidgets registers its comm targets only
-    when imported in one, and transformers imports it (through tqdm.auto), so transformers and peft are left to
-    the processes that use them."""
+    kernel will), and transformers' Qwen2 and peft, which most lessons build on. transformers imports ipywidgets
+    (through tqdm.auto), which registers its comm targets only when it is imported into a kernel: the kernel
+    spec (`kernel_spec`) loads it as an extension, which registers them."""
     import ipykernel.debugger  # noqa: F401  (debugpy: each kernel imports it as it starts)
     import ipykernel.kernelapp  # noqa: F401
     import ipyparallel.controller.app  # noqa: F401
     import ipyparallel.engine.app  # noqa: F401
     import matplotlib.figure  # noqa: F401
+    import peft  # noqa: F401
     import torch._dynamo  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.optim  # noqa: F401
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
     import fsdplab.comms  # noqa: F401
     import fsdplab.memory  # noqa: F401

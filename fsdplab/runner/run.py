@@ -213,7 +213,9 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     FSDPLAB_FIGURES=`figures` (default: the user's FSDPLAB_FIGURES, else `out_dir`/figures); its temporary
     files go to a folder of its own that is removed when the lesson ends, failed or not. The lessons share
     one FSDPLAB_ESTIMATE_CACHE (the user's, else a temporary one removed at the end), and their ranks are
-    forks of one fork server (fsdplab.runner.forkserver) that lives as long as the run, as are their kernels."""
+    forks of one fork server (fsdplab.runner.forkserver) that lives as long as the run, as are their kernels;
+    where FSDPLAB_FORKSERVER names a server that is running already (a caller's, shared by its runs), the run
+    forks from that one and leaves it running."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = site.run_info()
@@ -224,11 +226,12 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     own_cache = (None if os.environ.get("FSDPLAB_ESTIMATE_CACHE")
                  else owned_temp_dir("fsdplab-estimates-"))
     ahead = server = server_dir = None
+    outer = forkserver.running()   # a server the caller started and shares between its runs
     scratches = []   # each lesson's temporary folder, removed again once the server's forks are gone
     try:
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
             # The lessons' ranks are forks of one process that imported torch once (fsdplab.runner.forkserver).
-            if forkserver.available():
+            if forkserver.available() and not outer:
                 server_dir = owned_temp_dir("fsdplab-forkserver-", _short_temp_dir())
                 server = forkserver.start(server_dir)
             if len(paths) > 1 and not parameters:
@@ -236,7 +239,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                 # (fsdplab.runner.estimates_ahead)
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
-            kernels = [forkserver.kernel_spec(server_dir)] if server is not None else []
+            kernels = ([forkserver.kernel_spec(server_dir)] if server is not None else
+                       [forkserver.kernel_spec(os.path.dirname(outer))] if outer else [])
             jupyter_path = os.pathsep.join(kernels + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
             with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
                 rows = []
@@ -257,7 +261,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                 return rows
     finally:
         estimates_ahead.stop(ahead)
-        forkserver.stop(server)
+        if not outer:
+            forkserver.stop(server)
         if server_dir:
             shutil.rmtree(server_dir, ignore_errors=True)
         for scratch in scratches:   # a kernel stopped while it started may have written after its lesson

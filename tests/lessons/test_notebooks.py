@@ -14,7 +14,9 @@ import nbformat
 import pytest
 
 from fsdplab import records
+from fsdplab.runner import forkserver
 from fsdplab.runner.cli import NOTEBOOK_DIR, lesson_paths, run_lessons
+from fsdplab.runtime.processes import PYTHON_COMMAND_ENV
 
 LESSONS = lesson_paths()
 REPOSITORY = NOTEBOOK_DIR.parent
@@ -47,15 +49,40 @@ def has_checks_cell(path: Path) -> bool:
             and last.metadata.get("jupyter", {}).get("source_hidden") is True)
 
 
+@pytest.fixture(scope="session")
+def lesson_server(tmp_path_factory):
+    """One fork server for the lesson runs of this test process, as one `fsdplab run` of every lesson has (a
+    server per lesson imported torch, transformers and peft again for each). None where there is none."""
+    socket = tmp_path_factory.mktemp("forkserver") / "forkserver.sock"
+    if not forkserver.available() or len(str(socket)) > 100:    # a Unix socket's path: at most 107 bytes
+        yield None
+        return
+    server = forkserver.start(str(socket.parent))
+    forkserver.point_clusters_at(None)      # only the lesson runs fork from it (`serving`)
+    yield str(socket) if server is not None else None
+    forkserver.stop(server)
+
+
+@pytest.fixture
+def serving(lesson_server, monkeypatch):
+    """The session's lesson server, for this test's runs to find (fsdplab.runner.forkserver.running)."""
+    if lesson_server:
+        monkeypatch.setenv(forkserver.ENV, lesson_server)
+        monkeypatch.setenv(PYTHON_COMMAND_ENV, "")          # restored after the test; set just below
+        forkserver.point_clusters_at(lesson_server)
+    return lesson_server
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
-def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache, executed_lessons):
+def test_lesson_runs(path: Path, tmp_path, monkeypatch, estimate_cache, executed_lessons, serving):
     monkeypatch.delenv("FSDPLAB_FIGURES", raising=False)   # the runner's default: under its output folder
     monkeypatch.setenv("FSDPLAB_ESTIMATE_CACHE", str(estimate_cache))
     before = repository_files()
     [(lesson, status, seconds, detail)] = run_lessons([path], out_dir=tmp_path, progress=False)
     executed = tmp_path / path.name
     assert status == "ok", f"{lesson} failed at {detail}; executed notebook: {executed}"
+    assert forkserver.running() == serving, "the run did not leave the shared server as it found it"
     after = repository_files()
     changed = sorted(str(p.relative_to(REPOSITORY)) for p in set(before) | set(after) if before.get(p) != after.get(p))
     assert not changed, f"running {lesson} wrote into the repository: {changed}"

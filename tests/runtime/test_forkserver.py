@@ -57,9 +57,9 @@ def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, 
         # the server's imports are set aside (gc.freeze) before it forks: a rank's collections skip them
         frozen = c.run(lambda: (__import__("gc").isenabled(), __import__("gc").get_freeze_count()))
         assert all(enabled and count > 100_000 for enabled, count in frozen), frozen
-        # what the first fully_shard imports is there already; what acts on being imported into a kernel is not
-        imported = c.run(lambda: [name in __import__("sys").modules for name in ("torch._dynamo", "ipywidgets")])
-        assert imported == [[True, False]] * 2, imported
+        # what the first fully_shard imports is there already, and what building a Qwen2 model with LoRA imports
+        imported = c.run(lambda: [name in __import__("sys").modules for name in ("torch._dynamo", "peft")])
+        assert imported == [[True, True]] * 2, imported
         assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
     _wait_for(lambda: not _forks_of(server))
 
@@ -137,7 +137,10 @@ def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, 
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("import os\nprint(os.environ.get('FSDPLAB_FORKSERVER'))"),
                 nbformat.v4.new_code_cell("import psutil, sys\nprint(psutil.Process(os.getppid()).cmdline()[-2], "
-                                          "'torch' in sys.modules)")]
+                                          "'torch' in sys.modules)"),
+                # the server imported ipywidgets before this kernel existed: its comm targets are registered all
+                # the same (a reopened notebook's widgets ask for their state through them)
+                nbformat.v4.new_code_cell("print(sorted(get_ipython().kernel.comm_manager.targets))")]
     paths = [tmp_path / "a.ipynb", tmp_path / "b.ipynb"]
     for path in paths:
         nbformat.write(nb, path)
@@ -148,7 +151,22 @@ def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, 
     assert printed[0] == printed[1] and printed[0].endswith("forkserver.sock"), printed
     parents = [nbformat.read(tmp_path / "out" / p.name, 4).cells[1].outputs[0]["text"].strip() for p in paths]
     assert parents == ["import sys; from fsdplab.runner.forkserver import serve; serve(sys.argv[1]) True"] * 2, parents
+    targets = nbformat.read(tmp_path / "out" / "a.ipynb", 4).cells[2].outputs[0]["text"].strip()
+    assert targets == "['jupyter.widget', 'jupyter.widget.control']", targets
     assert forkserver.ENV not in os.environ
+
+
+def test_a_run_where_a_server_runs_already_forks_from_it_and_leaves_it_running(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(forkserver, "start", lambda folder: pytest.fail("the run started a second server"))
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import os, psutil\nprint(psutil.Process(os.getppid()).pid)")]
+    nbformat.write(nb, tmp_path / "a.ipynb")
+    [row] = cli.run_lessons([tmp_path / "a.ipynb"], tmp_path / "out", progress=False)
+    assert row[1] == "ok", row
+    kernel_parent = int(nbformat.read(tmp_path / "out" / "a.ipynb", 4).cells[0].outputs[0]["text"])
+    assert kernel_parent == server.pid                       # the kernel is a fork of the server that ran before
+    assert server.poll() is None and forkserver.running() == str(tmp_path / "forkserver.sock")
 
 
 def test_ranks_on_other_nodes_start_a_new_interpreter_there(monkeypatch, tmp_path):
