@@ -117,25 +117,34 @@ def _warm() -> None:
     """What every rank imports (the engine, the controller, torch's distributed and FSDP, torch._dynamo, which
     the first `fully_shard` call imports, fsdplab and its estimator) and what every lesson's kernel does
     (ipykernel and its debugger, matplotlib with the backend ipykernel picks: `start` sets MPLBACKEND as the
-    kernel will), and transformers' Qwen2 and peft, which most lessons build on. transformers imports ipywidgets
-    (through tqdm.auto), which registers its comm targets only when it is imported into a kernel: the kernel
-    spec (`kernel_spec`) loads it as an extension, which registers them."""
+    kernel will); on a CPU build of torch also transformers' Qwen2 and peft (`_warm_models`)."""
     import ipykernel.debugger  # noqa: F401  (debugpy: each kernel imports it as it starts)
     import ipykernel.kernelapp  # noqa: F401
     import ipyparallel.controller.app  # noqa: F401
     import ipyparallel.engine.app  # noqa: F401
     import matplotlib.figure  # noqa: F401
-    import peft  # noqa: F401
     import torch._dynamo  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.optim  # noqa: F401
-    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
     import fsdplab.comms  # noqa: F401
     import fsdplab.memory  # noqa: F401
     import fsdplab.runtime.on_rank  # noqa: F401
     import fsdplab.sharding  # noqa: F401
+
+    if not torch.backends.cuda.is_built():
+        _warm_models()
+
+
+def _warm_models() -> None:
+    """transformers' Qwen2 and peft, which most lessons build on, where torch has no CUDA. Both import torchao,
+    whose import asks `torch.cuda.is_available()`: on a CUDA build that sets up CUDA in this process, and no fork
+    of it could then use a GPU (PyTorch's "poison fork"). transformers also imports ipywidgets (through
+    tqdm.auto), which registers its comm targets only when it is imported into a kernel: the kernel spec
+    (`kernel_spec`) loads it as an extension, which registers them."""
+    import peft  # noqa: F401
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
 
 def _receive(conn: socket.socket) -> tuple:

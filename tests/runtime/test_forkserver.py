@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import fsdplab
+import torch
 from fsdplab.runner import cli
 from fsdplab.runner import forkserver
 from fsdplab.runtime.processes import PYTHON_COMMAND_ENV
@@ -57,11 +58,22 @@ def test_ranks_are_forks_that_take_the_kernels_environment(server, monkeypatch, 
         # the server's imports are set aside (gc.freeze) before it forks: a rank's collections skip them
         frozen = c.run(lambda: (__import__("gc").isenabled(), __import__("gc").get_freeze_count()))
         assert all(enabled and count > 100_000 for enabled, count in frozen), frozen
-        # what the first fully_shard imports is there already, and what building a Qwen2 model with LoRA imports
+        # what the first fully_shard imports is there already, and (torch without CUDA) what a LoRA model imports
         imported = c.run(lambda: [name in __import__("sys").modules for name in ("torch._dynamo", "peft")])
-        assert imported == [[True, True]] * 2, imported
+        assert imported == [[True, not torch.backends.cuda.is_built()]] * 2, imported
         assert c.run(lambda: (lambda t: (dist.all_reduce(t), t.item())[1])(__import__("torch").ones(1))) == [2.0, 2.0]
     _wait_for(lambda: not _forks_of(server))
+
+
+def test_on_a_cuda_build_the_server_leaves_out_what_would_set_up_cuda_before_it_forks():
+    # torchao's import (through peft and transformers) asks torch.cuda.is_available(), which on a CUDA build
+    # sets up CUDA in the server; its forks could then use no GPU. Here a CPU build plays a CUDA one.
+    code = ("import sys, torch\ntorch.backends.cuda.is_built = lambda: True\n"
+            "from fsdplab.runner.forkserver import _warm\n_warm()\n"
+            "print([name in sys.modules for name in ('torch._dynamo', 'torchao', 'peft', 'transformers')])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
+    assert done.stdout.strip() == "[True, False, False, False]", done.stdout + done.stderr
 
 
 def test_a_killed_fork_is_rank_died_with_its_signal(server, assert_killed_rank_is_died_then_restarts):
