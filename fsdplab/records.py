@@ -27,13 +27,15 @@ _NAME = re.compile(r"^\d\d-[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def _plain(value, name: str):
-    """`value` as JSON data (numpy and torch scalars become int/float); ValueError naming the record otherwise."""
+    """`value` as JSON data (numpy and torch scalars become int/float; a NaN or an infinity, which JSON has no
+    number for, the string "nan", "inf" or "-inf"); ValueError naming the record otherwise."""
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
-        return float(value)
+        # a kernel sends a record as JSON, and jupyter_client warns in the notebook on a NaN it cannot send
+        return float(value) if math.isfinite(value) else str(float(value))
     if isinstance(value, (list, tuple)):
         return [_plain(v, name) for v in value]
     if isinstance(value, dict):

@@ -68,6 +68,18 @@ def test_scalars_become_plain_json_and_other_values_are_refused(monkeypatch):
         record("01-x", 1, claim="3")
 
 
+def test_nan_and_infinities_are_recorded_as_json_can_send_them(monkeypatch):
+    # A kernel sends a record as JSON; jupyter_client refuses NaN there and prints a warning into the notebook
+    # (lesson 09 recorded a logit gap computed from the garbage to_empty leaves, which was once NaN).
+    torch = pytest.importorskip("torch")
+    rec = {}
+    monkeypatch.setattr(records, "_emit", rec.update)
+    record("09-gap", {"left": [float("nan"), float("inf")], "fixed": -torch.tensor(float("inf")), "ok": 1e-7})
+    assert rec["value"] == {"left": ["nan", "inf"], "fixed": "-inf", "ok": 1e-7}
+    json.dumps(rec, allow_nan=False)
+    assert records.line(rec) == "record 09-gap = {left: [nan, inf], fixed: -inf, ok: 1e-07}"
+
+
 def test_a_kernel_record_is_one_display_output_that_read_finds(monkeypatch, tmp_path):
     shown = []
     monkeypatch.setattr(records, "_in_kernel", lambda: True)
