@@ -239,8 +239,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                 # (fsdplab.runner.estimates_ahead)
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
-            kernels = ([forkserver.kernel_spec(server_dir)] if server is not None else
-                       [forkserver.kernel_spec(os.path.dirname(outer))] if outer else [])
+            serving = forkserver.running()   # the caller's server, or the one started above
+            kernels = [forkserver.kernel_spec(os.path.dirname(serving))] if serving else []
             jupyter_path = os.pathsep.join(kernels + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
             with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
                 rows = []
