@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from . import site
-from . import estimates_ahead, forkserver
+from . import estimates_ahead, forkserver, kernels
 
 
 def declared_parameters(path) -> list:
@@ -177,7 +177,7 @@ def remove_stale_temp(folders=None) -> list:
     folders (not links) owned by this user, whose OWNER_FILE names a process that is gone. Returns
     the removed paths. Another live run's folders, and anything else, stay."""
     removed = []
-    folders = folders or [tempfile.gettempdir(), _short_temp_dir() or tempfile.gettempdir()]
+    folders = folders or [tempfile.gettempdir(), kernels.short_temp_dir()]
     for folder in dict.fromkeys(folders):
         try:
             names = os.listdir(folder)
@@ -232,7 +232,7 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
             # The lessons' ranks are forks of one process that imported torch once (fsdplab.runner.forkserver).
             if forkserver.available() and not outer:
-                server_dir = owned_temp_dir("fsdplab-forkserver-", _short_temp_dir())
+                server_dir = owned_temp_dir("fsdplab-forkserver-", kernels.short_temp_dir())
                 server = forkserver.start(server_dir)
             if len(paths) > 1 and not parameters:
                 # later lessons' full-scale estimates, made in the time the lessons leave idle
@@ -240,8 +240,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
                 ahead = estimates_ahead.start(paths, os.environ["FSDPLAB_ESTIMATE_CACHE"])
             # The kernels are forks of the server too: a `python3` kernel spec found before the installed one.
             serving = forkserver.running()   # the caller's server, or the one started above
-            kernels = [forkserver.kernel_spec(os.path.dirname(serving))] if serving else []
-            jupyter_path = os.pathsep.join(kernels + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
+            specs = [forkserver.kernel_spec(os.path.dirname(serving))] if serving else []
+            jupyter_path = os.pathsep.join(specs + [p for p in [os.environ.get("JUPYTER_PATH")] if p])
             with _environment(**({"JUPYTER_PATH": jupyter_path} if jupyter_path else {})):
                 rows = []
                 for i, path in enumerate(paths, 1):
@@ -301,13 +301,6 @@ def _server_died(server, detail: str) -> str:
             f"with it; the lessons after it start without it" + (f" [{detail}]" if detail else ""))
 
 
-def _short_temp_dir() -> str | None:
-    """A folder for the fork server's socket: a Unix socket's path has at most 107 bytes, and a deep TMPDIR
-    (a test's, a CI workspace's) is longer."""
-    folder = tempfile.gettempdir()
-    return folder if len(folder) < 60 or not os.path.isdir("/tmp") else "/tmp"
-
-
 def _run_one(path, counter, out, figures, world_size, parameters, progress, made) -> tuple:
     """One lesson through papermill: (lesson, status, seconds, detail)."""
     import papermill as pm
@@ -317,7 +310,7 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress, made
     if world_size is not None and "world_size" in declared:
         params["world_size"] = world_size
     print(f"{counter} {path.stem} {params or ''}", flush=True)
-    scratch = Path(owned_temp_dir(f"fsdplab-run-{path.stem[:2]}-"))
+    scratch = Path(owned_temp_dir(f"fsdplab-run-{path.stem[:2]}-", kernels.short_temp_dir()))   # kernel sockets
     made.append(scratch)
     # Papermill rewrites its output after every cell: a full disk would leave a truncated notebook in place of
     # the last run's. It writes beside it, and the whole notebook replaces the old one at the end.
@@ -333,8 +326,9 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress, made
             tempfile.tempdir = str(scratch)
             pm.execute_notebook(str(path), str(running), parameters=params, cwd=str(out),
                                 progress_bar=progress, kernel_name="python3",
+                                kernel_manager_class=kernels.UnixSocketKernelManager,
                                 # The kernel's own log goes to this terminal and holds only
-                                # housekeeping (the TCP warning, the interrupt at shutdown); the
+                                # housekeeping (the interrupt at shutdown); the
                                 # cells' errors are in the executed notebook and the summary.
                                 extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
                                 # The last cell has run: end the kernel at once rather than wait ~1 s

@@ -6,6 +6,7 @@ import papermill
 import pytest
 
 from fsdplab.runner.cli import NOTEBOOK_DIR
+from fsdplab.runner.kernels import UnixSocketKernelManager
 from fsdplab.exercises import check
 
 
@@ -37,7 +38,7 @@ def test_the_seq_exercise_stays_right_when_its_cell_runs_again(tmp_path):
     path = tmp_path / "00_rerun.ipynb"
     nbformat.write(nb, path)
     papermill.execute_notebook(str(path), str(path), parameters={"world_size": 2}, kernel_name="python3",
-                               progress_bar=False, cwd=str(tmp_path))
+                               progress_bar=False, cwd=str(tmp_path), kernel_manager_class=UnixSocketKernelManager)
     runs = [nbformat.read(path, as_version=4).cells[i] for i in (index + 1, index + 2)]
     texts = ["".join(out.get("text", "") for out in cell.outputs) for cell in runs]
     for text in texts:

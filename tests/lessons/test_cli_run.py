@@ -400,6 +400,17 @@ def test_no_progress_bars_in_a_log(tmp_path):
     assert "Executing" not in text and "tiny" in text, text
 
 
+def test_kernels_talk_over_unix_sockets_and_remove_them(tmp_path):
+    """jupyter_client's TCP ports are free when picked and can be taken before the kernel binds them (a kernel
+    died on "Address already in use" in a CI run): the run's kernels bind Unix sockets, gone after the run."""
+    nb = tiny_notebook(tmp_path / "tiny.ipynb", "import json\nfrom ipykernel.connect import get_connection_info\n"
+                       "info = json.loads(get_connection_info())\nprint(info['transport'], info['ip'])")
+    run_lessons([nb], tmp_path / "out", progress=False)
+    transport, prefix = stream_text(tmp_path / "out" / "tiny.ipynb").split()
+    assert transport == "ipc" and os.path.isabs(prefix) and len(prefix) < 100, prefix
+    assert not list(Path(prefix).parent.glob(Path(prefix).name + "*")) and not Path(prefix).parent.exists()
+
+
 def test_run_writes_each_lessons_records_and_keeps_the_other_lessons(tmp_path):
     from fsdplab.records import read_run
 
