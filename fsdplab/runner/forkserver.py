@@ -79,6 +79,9 @@ def start(folder: str, wait_s: float = 60.0) -> subprocess.Popen | None:
                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
                                env={"MPLBACKEND": INLINE_BACKEND, **os.environ, "OPENBLAS_NUM_THREADS": "1",
                                     "PYTHONUNBUFFERED": "1",
+                                    # its imports write there (torch._dynamo's makes torchinductor_<user>): the
+                                    # server's folder goes with it; each fork reads its client's TMPDIR
+                                    "TMPDIR": folder, "TEMP": folder, "TMP": folder,
                                     # debugpy's import warns about frozen modules unless told not to check them,
                                     # as papermill and ipykernel's kernel specs tell it
                                     "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
