@@ -212,10 +212,8 @@ def _run_child(request: dict, fds: list, server: int) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as Python itself would: the traceback on stderr, exit code 1
-        import traceback
-
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - as Python itself would: sys.excepthook (torch.distributed's puts
+        sys.excepthook(*sys.exc_info())   # "[rankN]: " before each line), exit code 1
     finally:
         try:
             import atexit

@@ -96,6 +96,17 @@ def test_stand_in_passes_streams_exit_codes_and_signals(server):
     _wait_for(lambda: not _forks_of(server))
 
 
+def test_an_uncaught_exception_goes_through_sys_excepthook_as_in_python(server, tmp_path):
+    """torch.distributed's hook puts "[rankN]: " before each line of a rank's traceback, and torchrun's readers
+    (lesson 11) look for it."""
+    (tmp_path / "planted_raise.py").write_text(
+        "import sys\nsys.excepthook = lambda kind, value, tb: print(f'HOOK {kind.__name__}: {value}', file=sys.stderr)"
+        "\nraise ValueError('planted')\n")
+    done = subprocess.run(forkserver.command("planted_raise"), capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.strip() == "HOOK ValueError: planted", done.stderr
+
+
 def test_a_fork_dies_with_its_stand_in_and_with_the_server(server):
     first = subprocess.Popen(forkserver.command("http.server") + ["0", "--bind", "127.0.0.1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
