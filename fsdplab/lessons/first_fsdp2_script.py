@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import owned_folders
+from ..runtime.processes import python_command
 from .checkers import exercise
 
 # What a surrounding launcher (torchrun, Slurm, a notebook rank) may have set: torchrun must set them afresh.
@@ -133,12 +134,7 @@ def launch(command: list, *, env: dict | None = None, timeout: float = 300, quie
     if not quiet:
         print("$", (" ".join(f"{k}={v}" for k, v in (env or {}).items()) + " ").lstrip() + _shown(command))
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([str(c) for c in command], capture_output=True, text=True,
-                              env=clean_environment(env), timeout=timeout)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as err:
-        code, stdout, stderr = 124, _text(err.stdout), _text(err.stderr) + f"\nkilled after {timeout:.0f} s"
+    code, stdout, stderr = _run([str(c) for c in command], clean_environment(env), timeout)
     run = Run(list(command), code, time.perf_counter() - t0, stdout, stderr)
     run.results = {r["rank"]: r for r in sorted(_split_results(stdout)[0], key=lambda r: r["rank"])}
     if not quiet:
@@ -149,6 +145,39 @@ def launch(command: list, *, env: dict | None = None, timeout: float = 300, quie
                 print("  " + line)
         print(f"exit code {code} after {run.seconds:.1f} s")
     return run
+
+
+def _run(command: list, env: dict, timeout: float) -> tuple:
+    """(exit code, stdout, stderr) of `command`, through the run's fork server where there is one (`forked`). At
+    the timeout or an interrupt torchrun gets SIGTERM, on which it stops its ranks, and SIGKILL 30 s later:
+    SIGKILL at once (subprocess.run's way) would leave the ranks running, in sessions of their own."""
+    proc = subprocess.Popen(forked(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    except BaseException as error:
+        proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        if not isinstance(error, subprocess.TimeoutExpired):
+            raise
+        return 124, stdout, stderr + f"\nkilled after {timeout:.0f} s"
+
+
+def forked(command: list) -> list:
+    """A `python -m torch.distributed.run ...` command with torchrun itself a fork of `fsdplab run`'s fork server,
+    which imported torch once (`processes.python_command`); any other command, or with no fork server (a kernel
+    that JupyterLab started), as it is. The ranks stay `python SCRIPT` processes: a fork's exit skips the
+    interpreter's teardown (about 0.5 s with torch loaded), and then the rank that raises and the rank whose
+    collective it breaks end in the same instant: torchrun's summary named rank 0 the first failure, not the
+    rank that raised."""
+    runner = python_command("torch.distributed.run")
+    if runner[:2] == [sys.executable, "-m"] or command[:3] != [sys.executable, "-m", "torch.distributed.run"]:
+        return command
+    return runner + command[3:]
 
 
 _MODEL_PRINTS: set = set()
