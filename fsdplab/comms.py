@@ -1,9 +1,10 @@
 """Count every collective a rank launches: the bytes, the process group, the FSDP unit, the phase.
 
 Counting: `CommCounter` is a `TorchDispatchMode`. Every collective in torch, whether FSDP2's all-gather and
-reduce-scatter, DDP's C++ reducer all-reduce, a plain `dist.all_reduce`, or DTensor's functional
-collectives for tensor parallelism, goes through the dispatcher as a `c10d::*` or `_c10d_functional::*` op
-with its tensors and its process group, so one mode sees them all, in launch order, with exact sizes.
+reduce-scatter, DDP's C++ reducer all-reduce, a plain `dist.all_reduce`, DTensor's functional
+collectives for tensor parallelism, or a pipeline's sends and receives, goes through the dispatcher as a
+`c10d::*` or `_c10d_functional::*` op with its tensors and its process group, so one mode sees them all, in
+launch order, with exact sizes.
 (Wrapping the Python functions misses DDP, whose reducer calls the process group from C++, and breaks
 when FSDP changes which `dist.*` function it calls; `CommDebugMode` counts calls but not bytes.) For FSDP2
 the counter also labels each collective with the unit (module FQN) it belongs to, and logs when each unit
@@ -14,7 +15,8 @@ What is counted, per collective:
     input, the all-reduce buffer. This is what the collective is "about" and does not depend on N.
   * `sent_bytes`: what one rank sends under a bandwidth-optimal (ring) algorithm: (N-1)/N x tensor_bytes
     for all-gather and reduce-scatter, 2 (N-1)/N x tensor_bytes for all-reduce. The ZeRO paper's "2P per
-    step for DDP, 3P for ZeRO-3" is this number with (N-1)/N rounded to 1. It is a model, not a wire
+    step for DDP, 3P for ZeRO-3" is this number with (N-1)/N rounded to 1. A send sends its tensor, a receive
+    nothing. It is a model, not a wire
     capture: gloo, for one, runs a reduce-scatter as a full all-reduce (the profiler names it
     "gloo:all_reduce"), so on CPU ranks the wire carries more than this.
 
@@ -52,6 +54,9 @@ C10D_OPS = {
     "gather_": ("gather", 1, False),
     "scatter_": ("scatter", 0, False),
     "barrier": ("barrier", None, False),
+    "send": ("send", 0, False),                          # point to point (pipeline stages, dist.send/isend)
+    "recv_": ("recv", 0, False),
+    "recv_any_source_": ("recv", 0, False),
 }
 _FUNCTIONAL = {
     "all_gather_into_tensor": ("all_gather", 0, True),   # (input shard, group_size, group_name)

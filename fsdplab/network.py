@@ -34,8 +34,8 @@ def ring_sent_bytes(kind: str, tensor_bytes: float, group_size: int) -> float:
         return 0.0
     if kind in RING_FACTOR:
         return RING_FACTOR[kind] * (group_size - 1) / group_size * tensor_bytes
-    if kind in ("broadcast", "reduce", "gather", "scatter"):
-        return float(tensor_bytes)  # pipelined chain: every rank but one forwards the whole tensor once
+    if kind in ("broadcast", "reduce", "gather", "scatter", "send"):
+        return float(tensor_bytes)  # a send; a pipelined chain, where every rank but one forwards the tensor once
     return 0.0
 
 

@@ -141,6 +141,31 @@ def test_plain_and_functional_calls_counted(cluster):
     assert debug_total == len(records)  # torch's own CommDebugMode sees the same number of collectives
 
 
+def _point_to_point():
+    import torch
+    import torch.distributed as dist
+
+    from fsdplab import comms
+
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    with comms.CommCounter() as counter:
+        if rank == 0:
+            dist.send(torch.ones(6), dst=last)
+            dist.isend(torch.ones(3, dtype=torch.float64), dst=last).wait()
+        elif rank == last:
+            dist.recv(torch.empty(6), src=0)
+            dist.irecv(torch.empty(3, dtype=torch.float64), src=0).wait()
+    return [(r["kind"], r["tensor_bytes"], r["sent_bytes"]) for r in counter.records]
+
+
+def test_point_to_point_sends_and_receives_counted(cluster):
+    """A pipeline's stages talk by send and recv: the sender sends its tensor, the receiver nothing."""
+    counts = cluster.run(_point_to_point, quiet=True)
+    assert counts[0] == [("send", 24, 24.0), ("send", 24, 24.0)], counts
+    assert counts[-1] == [("recv", 24, 0.0), ("recv", 24, 0.0)], counts
+    assert all(c == [] for c in counts[1:-1])
+
+
 def test_backward_prefetch_off_and_empty_list(steps, cluster):
     def order(out):
         return [(e.get("label") if e["event"] == "marker" else (e["kind"], e["unit"]))
