@@ -19,6 +19,7 @@ greedy decoding, and saving / merging the adapter.
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
@@ -375,6 +376,10 @@ def main(argv=None) -> dict:
                 print("peak memory allocated per rank (GiB): " + ", ".join(f"{p:.2f}" for p in peaks), flush=True)
         return result
     finally:
+        # FSDP's hooks hold the model and its optimizer in reference cycles: freed here, while the group still
+        # exists, not by Python's shutdown after destroy_process_group (lesson 11)
+        model = optimizer = scaler = None
+        gc.collect()
         dist.destroy_process_group()
 
 
