@@ -165,7 +165,8 @@ def test_hang_is_reported_with_stack_then_restart_recovers():
         t0 = time.monotonic()
         with pytest.raises(fsdplab.RankHang) as info:
             c.execute("dist.all_reduce(torch.ones(1))", ranks=[0], timeout=3)
-        assert time.monotonic() - t0 < 3 + 5
+        # reported, not left hanging: the timeout, then the ranks' stacks collected (slow on a loaded machine)
+        assert time.monotonic() - t0 < 3 + 30
         assert isinstance(info.value, TimeoutError)
         assert info.value.ranks == [0]
         assert "all_reduce" in info.value.stacks[0]
@@ -179,7 +180,7 @@ def test_hang_is_reported_with_stack_then_restart_recovers():
 
 def test_dead_rank_is_reported_with_exit_code(fault_on_fresh_pair):
     died = fault_on_fresh_pair("import os\nif rank() == 1: os._exit(7)\ndist.barrier()", fsdplab.RankDied,
-                               within=10, timeout=60)
+                               within=30, timeout=60)   # RankDied, long before a hang's 60 s
     assert died.exits == {1: 7}
 
 

@@ -177,7 +177,7 @@ def test_a_wait_for_another_process_has_an_end(tmp_path, monkeypatch, capsys):
     marker.write_text(json.dumps(estimate_cache._maker_identity(os.getppid())))   # alive, and never finishing
     t0 = time.monotonic()
     assert estimate_cache.wait_for_estimate(tiny, timeout=1.0) is None
-    assert 1.0 <= time.monotonic() - t0 < 5
+    assert 1.0 <= time.monotonic() - t0 < 30        # its own timeout, not the other process's end
     assert f"process {os.getppid()}" in capsys.readouterr().err
 
 
