@@ -9,6 +9,7 @@ import os
 import tempfile
 import uuid
 
+import zmq
 from jupyter_client.manager import AsyncKernelManager
 
 
@@ -25,6 +26,9 @@ class UnixSocketKernelManager(AsyncKernelManager):
     the kernel shuts down."""
 
     def __init__(self, **kwargs):
+        if not zmq.has("ipc"):   # Windows: TCP, as jupyter_client's default
+            super().__init__(**kwargs)
+            return
         kwargs.setdefault("transport", "ipc")
         # jupyter_client's own default is relative ("kernel-ipc"), read from the client's folder and the
         # kernel's, which differ under papermill's cwd

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from . import site
-from . import estimates_ahead, forkserver, kernels
+from . import estimates_ahead, forkserver
 
 
 def declared_parameters(path) -> list:
@@ -176,6 +176,8 @@ def remove_stale_temp(folders=None) -> list:
     """Remove what killed runs left in the temporary folders: entries named by TEMP_PREFIXES, real
     folders (not links) owned by this user, whose OWNER_FILE names a process that is gone. Returns
     the removed paths. Another live run's folders, and anything else, stay."""
+    from . import kernels   # jupyter_client: not for the commands that run no lesson
+
     removed = []
     folders = folders or [tempfile.gettempdir(), kernels.short_temp_dir()]
     for folder in dict.fromkeys(folders):
@@ -216,6 +218,8 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     forks of one fork server (fsdplab.runner.forkserver) that lives as long as the run, as are their kernels;
     where FSDPLAB_FORKSERVER names a server that is running already (a caller's, shared by its runs), the run
     forks from that one and leaves it running."""
+    from . import kernels
+
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = site.run_info()
@@ -304,6 +308,8 @@ def _server_died(server, detail: str) -> str:
 def _run_one(path, counter, out, figures, world_size, parameters, progress, made) -> tuple:
     """One lesson through papermill: (lesson, status, seconds, detail)."""
     import papermill as pm
+
+    from . import kernels
 
     declared = declared_parameters(path)
     params = {k: v for k, v in (parameters or {}).items() if k in declared}
