@@ -201,3 +201,11 @@ def test_sweep_table_marks_what_does_not_fit(tmp_path):
     assert "64.00*" in table and " 16.00 " in table      # 1024 x 2 on 4 ranks does not fit; 1024 x 1 on 8 does
     plot_sweep(result, tmp_path / "two_panels.png")
     assert (tmp_path / "two_panels.png").stat().st_size > 10_000
+
+
+def test_the_command_imports_no_jupyter_machinery_to_estimate():
+    """`fsdplab estimate` is a whole process a user waits for: jupyter_client, zmq and papermill are for runs."""
+    code = ("import sys; from fsdplab.runner import cli; "
+            "print(sorted(m for m in ('jupyter_client', 'zmq', 'papermill', 'nbclient') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
