@@ -84,3 +84,37 @@ def test_without_a_fork_server_the_command_runs_as_written(script, monkeypatch):
     assert lesson.forked(command) == command
     run = lesson.launch(command, quiet=True)
     assert run.returncode == 0 and {r["agent_parent"] for r in run.results.values()} == {os.getpid()}
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "plain"])
+def test_an_interrupt_stops_torchrun_and_its_ranks(forked, script, tmp_path, monkeypatch):
+    """The learner interrupts the kernel while torchrun runs: the cell stops, and no rank is left running."""
+    import signal
+    import threading
+
+    server = None
+    if forked:
+        (tmp_path / "server").mkdir()
+        server = forkserver.start(str(tmp_path / "server"))
+    else:
+        monkeypatch.delenv(forkserver.ENV, raising=False)
+        monkeypatch.delenv("FSDPLAB_PYTHON_COMMAND", raising=False)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    ranks = []
+
+    def interrupt_once_the_ranks_run():
+        while len(ranks) < 2:
+            ranks[:] = [p for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or [])
+                        and "torch.distributed.run" not in " ".join(p.info["cmdline"])]
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_the_ranks_run, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lesson.launch(lesson.torchrun(script, 2) + ["--hang"], quiet=True, timeout=120)
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, [p.pid for p in alive]
+        left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        assert not [p for p in map(psutil.Process, left) if p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        forkserver.stop(server)
