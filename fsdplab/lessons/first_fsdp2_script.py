@@ -202,10 +202,6 @@ def _brief(lines: list) -> list:
     return out
 
 
-def _text(data) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
-
-
 def torchrun(script, world_size: int, *options) -> list:
     """The command line: python -m torch.distributed.run --standalone --nproc-per-node N [options] script."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),

@@ -37,6 +37,13 @@ INLINE_BACKEND = "module://matplotlib_inline.backend_inline"   # what ipykernel 
 CLIENT = str(Path(__file__).resolve().parent / "fork_client.py")
 
 
+def short_temp_dir() -> str:
+    """A folder for Unix sockets (the server's, a run's kernels') and the folders that hold them: a socket's path
+    has at most 107 bytes, and a deep TMPDIR (a test's, a CI workspace's) is longer."""
+    folder = tempfile.gettempdir()
+    return folder if len(folder) < 50 or not os.path.isdir("/tmp") else "/tmp"
+
+
 def available() -> bool:
     """Whether fork servers work here: Linux with os.pidfd_open (the server waits on its forks with pidfds)."""
     return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")

@@ -6,18 +6,12 @@ kernel dies with "Address already in use". A Unix socket's path belongs to this 
 """
 
 import os
-import tempfile
 import uuid
 
 import zmq
 from jupyter_client.manager import AsyncKernelManager
 
-
-def short_temp_dir() -> str:
-    """A folder for sockets and the folders that hold them: a Unix socket's path has at most 107 bytes, and a
-    deep TMPDIR (a test's, a CI workspace's) is longer."""
-    folder = tempfile.gettempdir()
-    return folder if len(folder) < 50 or not os.path.isdir("/tmp") else "/tmp"
+from .forkserver import short_temp_dir
 
 
 class UnixSocketKernelManager(AsyncKernelManager):

@@ -176,10 +176,8 @@ def remove_stale_temp(folders=None) -> list:
     """Remove what killed runs left in the temporary folders: entries named by TEMP_PREFIXES, real
     folders (not links) owned by this user, whose OWNER_FILE names a process that is gone. Returns
     the removed paths. Another live run's folders, and anything else, stay."""
-    from . import kernels   # jupyter_client: not for the commands that run no lesson
-
     removed = []
-    folders = folders or [tempfile.gettempdir(), kernels.short_temp_dir()]
+    folders = folders or [tempfile.gettempdir(), forkserver.short_temp_dir()]
     for folder in dict.fromkeys(folders):
         try:
             names = os.listdir(folder)
@@ -218,8 +216,6 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
     forks of one fork server (fsdplab.runner.forkserver) that lives as long as the run, as are their kernels;
     where FSDPLAB_FORKSERVER names a server that is running already (a caller's, shared by its runs), the run
     forks from that one and leaves it running."""
-    from . import kernels
-
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = site.run_info()
@@ -236,7 +232,7 @@ def run_lessons(paths, out_dir="runs", world_size=None, parameters=None, progres
         with _environment(**({"FSDPLAB_ESTIMATE_CACHE": own_cache} if own_cache else {})):
             # The lessons' ranks are forks of one process that imported torch once (fsdplab.runner.forkserver).
             if forkserver.available() and not outer:
-                server_dir = owned_temp_dir("fsdplab-forkserver-", kernels.short_temp_dir())
+                server_dir = owned_temp_dir("fsdplab-forkserver-", forkserver.short_temp_dir())
                 server = forkserver.start(server_dir)
             if len(paths) > 1 and not parameters:
                 # later lessons' full-scale estimates, made in the time the lessons leave idle
@@ -309,14 +305,14 @@ def _run_one(path, counter, out, figures, world_size, parameters, progress, made
     """One lesson through papermill: (lesson, status, seconds, detail)."""
     import papermill as pm
 
-    from . import kernels
+    from . import kernels   # jupyter_client and zmq: only where lessons run
 
     declared = declared_parameters(path)
     params = {k: v for k, v in (parameters or {}).items() if k in declared}
     if world_size is not None and "world_size" in declared:
         params["world_size"] = world_size
     print(f"{counter} {path.stem} {params or ''}", flush=True)
-    scratch = Path(owned_temp_dir(f"fsdplab-run-{path.stem[:2]}-", kernels.short_temp_dir()))   # kernel sockets
+    scratch = Path(owned_temp_dir(f"fsdplab-run-{path.stem[:2]}-", forkserver.short_temp_dir()))   # kernel sockets
     made.append(scratch)
     # Papermill rewrites its output after every cell: a full disk would leave a truncated notebook in place of
     # the last run's. It writes beside it, and the whole notebook replaces the old one at the end.

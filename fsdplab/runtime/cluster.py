@@ -7,7 +7,8 @@ here as `RankError`, `RankHang` or `RankDied`, and the kernel lives on; `restart
 
 The runtime's files (fsdplab/runtime/):
 - cluster: this file, the life cycle (start, restart, stop) and the calls (run, execute, pull, push, status);
-- group: the started ranks as the kernel sees them (handles, liveness, exit codes, what each is doing);
+- group: the started ranks as the kernel sees them (their registration, handles, liveness, exit codes, what each
+  is doing);
 - call: waiting on a call and turning every failure into one of the errors (errors: their text);
 - on_rank: the rank's side, joining the group and running each call, an exception sent back as a plain
   record; tracebacks names its frames in the notebook's terms (`Cell In[N], line L`), shipped_code keeps
@@ -213,7 +214,7 @@ class Cluster:
         # ipyparallel's Client waits 10 s for the controller's answer: a loaded machine (the controller still
         # importing) has taken longer. The wait ends as soon as the answer comes.
         group.client = group.ipp.connect_client_sync(timeout=CONNECT_TIMEOUT_S)
-        group.engine_ids = self._wait_for_new_engines(set())
+        group.engine_ids = group.wait_for_new_engines(set(), self.start_timeout, self._start_problem)
         self._seen_ids = set(group.engine_ids)
         self._rank_set = list(group.ipp.engines)[-1]
         self._spare_set = None
@@ -263,31 +264,14 @@ class Cluster:
             group.ipp.engines.pop(self._rank_set, None)
         self._rank_set, self._spare_set = self._spare_set, None
         group.procs = {}
-        group.engine_ids = self._wait_for_new_engines(self._seen_ids)
+        group.engine_ids = group.wait_for_new_engines(self._seen_ids, self.start_timeout, self._start_problem)
         self._seen_ids |= set(group.engine_ids)
         self._join_group()
         self._start_spares(only_if_wanted=True)
         return True
 
-    def _wait_for_new_engines(self, old_ids: set) -> list:
-        group = self._group
-        t0 = time.monotonic()
-        deadline, next_look = t0 + self.start_timeout, t0 + 1.0
-        while True:
-            new = sorted(set(group.client.ids) - old_ids)
-            if len(new) >= self.world_size:
-                return new[:self.world_size]
-            now = time.monotonic()
-            if now > next_look or now > deadline:   # a job that failed or still waits, an mpiexec that exited
-                next_look = now + 1.0
-                problem = self.launcher.start_problem(self._plan, group.ipp, self._jobs, now - t0, now > deadline)
-                if problem:
-                    raise RuntimeError(problem)
-            if now > deadline:
-                raise RuntimeError(f"{self.world_size} rank process(es) did not start within {self.start_timeout:g} "
-                                   f"s; see the engine logs in {group.path('profile/log')}, or try a smaller "
-                                   "world_size.")
-            time.sleep(0.02)
+    def _start_problem(self, elapsed: float, late: bool) -> str | None:
+        return self.launcher.start_problem(self._plan, self._group.ipp, self._jobs, elapsed, late)
 
     def _join_group(self):
         group = self._group

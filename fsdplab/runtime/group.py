@@ -33,6 +33,27 @@ class Group:
     def path(self, name: str) -> str:
         return os.path.join(self.workdir, name)
 
+    def wait_for_new_engines(self, old_ids: set, timeout: float, start_problem) -> list:
+        """The ids of `world_size` engines the controller registered that are not in `old_ids`, in id order.
+        Each second (and at the deadline) `start_problem(elapsed, late)` says what keeps them (a failed or waiting
+        job, an mpiexec that exited), raised as RuntimeError."""
+        t0 = time.monotonic()
+        deadline, next_look = t0 + timeout, t0 + 1.0
+        while True:
+            new = sorted(set(self.client.ids) - old_ids)
+            if len(new) >= self.world_size:
+                return new[:self.world_size]
+            now = time.monotonic()
+            if now > next_look or now > deadline:
+                next_look = now + 1.0
+                problem = start_problem(now - t0, now > deadline)
+                if problem:
+                    raise RuntimeError(problem)
+            if now > deadline:
+                raise RuntimeError(f"{self.world_size} rank process(es) did not start within {timeout:g} s; see the "
+                                   f"engine logs in {self.path('profile/log')}, or try a smaller world_size.")
+            time.sleep(0.02)
+
     def mark_broken(self, reason: str) -> None:
         self.broken = reason
         if self.on_broken is not None:
