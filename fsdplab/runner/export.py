@@ -16,7 +16,6 @@ import shlex
 import textwrap
 from pathlib import Path
 
-from ..runtime.magics import ranks_parser
 from ..runtime.script import rank_code
 
 DROPPED_MAGICS = ("%load_ext", "%reload_ext", "%matplotlib", "%config")
@@ -26,6 +25,9 @@ IPYTHON_DISPLAY = re.compile(r"from IPython\.display import .*\bdisplay\b")
 
 def _ranks_option(line: str):
     """The ranks a `%%ranks` line names (-r 0,1), read with the magic's own parser; None for all."""
+    # deferred: the magics import IPython (40 ms), which every other command of the CLI (estimate) can do without
+    from ..runtime.magics import ranks_parser
+
     ranks = ranks_parser().parse_args(shlex.split(line)[1:]).ranks
     return tuple(int(r) for r in ranks.split(",")) if ranks else None
 
