@@ -41,6 +41,11 @@ SETTINGS = [
     dict(model="qwen-7b", world_size=8, lora_rank=64, seq_len=2048, activation_checkpointing=True),
     dict(model="qwen-7b", world_size=8, lora_rank=64, seq_len=2048, precision="fp16", activation_checkpointing=True,
          cpu_offload=True),
+    # QLoRA: an NF4 base in bf16 compute with checkpointing, 7B and 70B (lesson 12's settings)
+    dict(model="qwen-7b", world_size=8, lora_rank=64, seq_len=2048, precision="bf16", activation_checkpointing=True,
+         base_dtype="nf4"),
+    dict(model="llama2-70b", world_size=8, lora_rank=64, seq_len=2048, precision="bf16", activation_checkpointing=True,
+         base_dtype="nf4"),
 ]
 QUICK = [dict(model="tiny", world_size=2, seq_len=64), dict(model="tiny", world_size=3, seq_len=64, lora_rank=8)]
 # What must not change (MemoryReport fields; `seconds` and `notes` may).
@@ -93,6 +98,8 @@ def flags(setting: dict) -> list:
         argv += ["--activation-checkpointing", "full"]
     if setting.get("cpu_offload"):
         argv += ["--cpu-offload"]
+    if setting.get("base_dtype"):
+        argv += ["--base-dtype", setting["base_dtype"]]
     return argv
 
 

@@ -7,6 +7,8 @@ real, meta and fake tensors, so the same model runs on the ranks and in the exac
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -37,7 +39,9 @@ class NF4Linear(nn.Linear):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = nn.Parameter(to_nf4(linear.weight.detach().to(torch.bfloat16)), requires_grad=False)
+        weight = linear.weight.detach().to(torch.bfloat16)
+        with _codes_without_values(weight):
+            new.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
         new.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         return new
 
@@ -45,6 +49,30 @@ class NF4Linear(nn.Linear):
         _, linear_nf4, _ = nf4()
         out = linear_nf4(x, self.weight)
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+@contextlib.contextmanager
+def _codes_without_values(weight):
+    """On the meta device, torchao's 4-bit codes made as an empty tensor of their shape and dtype (two codes a
+    byte), not by its quantization loop: a meta tensor has no values to quantize, and the loop's 200-odd chunks a
+    70B matrix are dispatch alone, 60% of an NF4 model's build for an estimate. Elsewhere nothing changes."""
+    if weight.device.type != "meta":
+        yield
+        return
+    _, _, nf4_tensor = nf4()
+    convert = nf4_tensor.__dict__.get("convert_to_norm_float_weight")
+    if not isinstance(convert, staticmethod):          # another torchao: its own loop, as before
+        yield
+        return
+
+    def codes(input_tensor, n_blocks, block_size, levels):
+        return torch.empty(input_tensor.numel() // 2, dtype=torch.uint8, device=input_tensor.device)
+
+    nf4_tensor.convert_to_norm_float_weight = staticmethod(codes)
+    try:
+        yield
+    finally:
+        nf4_tensor.convert_to_norm_float_weight = convert
 
 
 def check_shardable(numel: int, shards: int, name: str = "a weight") -> None:

@@ -65,3 +65,25 @@ def test_estimate_and_formula_agree_on_what_a_rank_stores():
     assert exact.peak_bytes < bf16.peak_bytes
     assert any(note.startswith("NF4 base") for note in exact.notes)
     assert any("frozen base stored as 4-bit NF4" in note for note in exact.notes)
+
+
+def test_on_meta_the_codes_are_made_without_values_in_torchaos_shapes(monkeypatch):
+    """fsdplab.nf4._codes_without_values: on the meta device the 4-bit codes skip torchao's quantization loop; every
+    inner tensor keeps the shape, dtype and strides torchao's own conversion gives, and the loop is back after."""
+    to_nf4, _, nf4_tensor = nf4.nf4()
+    linear = torch.nn.Linear(512, 256, bias=False, device="meta")
+
+    def no_loop(*args):
+        raise AssertionError("torchao's quantization loop ran on the meta device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(nf4_tensor, "quantize_tensor_nearest", staticmethod(no_loop))
+        made = nf4.NF4Linear.from_linear(linear).weight
+    reference = to_nf4(linear.weight.detach().to(torch.bfloat16))       # torchao's loop, on meta
+    assert (made.shape, made.stride(), made.dtype, made.device.type) == \
+        (reference.shape, reference.stride(), reference.dtype, "meta")
+    for name in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
+        a, b = getattr(made, name), getattr(reference, name)
+        assert (a.shape, a.stride(), a.dtype, a.device.type) == (b.shape, b.stride(), b.dtype, b.device.type), name
+    assert isinstance(nf4_tensor.__dict__["convert_to_norm_float_weight"], staticmethod)
+    assert nf4_tensor.convert_to_norm_float_weight.__module__.startswith("torchao")
