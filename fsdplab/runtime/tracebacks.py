@@ -56,12 +56,14 @@ def current_cell_filename():
 
 
 def location(filename: str, lineno: int) -> str:
-    """`Cell In[N], line L` for notebook code, `source line L` for execute() text, else `file:L`."""
+    """`Cell In[N], line L` for notebook code, `line L of the code Cell In[N] ran on the ranks` for execute() text,
+    else `file:L`."""
     cell = cell_of(filename)
     if cell is not None:
         return f"Cell In[{cell}], line {lineno}"
     if filename.startswith(_SOURCE_PREFIX):
-        return f"{filename.strip('<>')}, line {lineno}"
+        caller = re.search(r"from (Cell In\[\d+\])", filename)
+        return f"line {lineno} of the code {caller.group(1) if caller else 'execute()'} ran on the ranks"
     return f"{filename}:{lineno}"
 
 
