@@ -3,8 +3,8 @@ and `CATEGORY_LABELS`): exact on fake tensors (live ranks: fsdplab.memory.live, 
 
 - `estimate(setting)`: the exact per-rank figure of a real training step at full scale, without GPUs: a fake
   process group of any world size, fake tensors, FSDP2 and two optimizer steps under torch's FSDP memory
-  tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes 8-12 s on 2 CPU
-  cores and about 400 MB of RAM.
+  tracker (fsdplab/_torch_private/tracker.py). Qwen-7B on 8 ranks takes 2-5 s on 2 CPU
+  cores after the imports, and about 400 MB of RAM.
 - `measure(...)` / `measure_setting(setting)` (fsdplab.memory.live): what live ranks really hold, per category.
 - The analytic model is `fsdplab.memory.formula(setting)`; it returns the same report.
 - Within one `fsdplab run`, `estimate` reads back, or waits for, what the run already estimated (the run's
