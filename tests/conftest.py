@@ -76,12 +76,13 @@ def cluster(_shared_cluster):
 
 
 @pytest.fixture(scope="session")
-def estimate_cache(tmp_path_factory, worker_id):
+def estimate_cache(tmp_path_factory, request):
     """The lesson runs of a test session share exact estimates, as the lessons of one `fsdplab run` do: all workers
     of one pytest-xdist run share one cache (the matrix and the default runs estimate many settings alike); its
     `.pending` markers make a worker wait for an estimate another is making."""
     base = tmp_path_factory.getbasetemp()
-    return (base.parent if worker_id != "master" else base) / "estimate-cache"
+    worker = hasattr(request.config, "workerinput")       # an xdist worker: basetemp is <the run>/popen-gwN
+    return (base.parent if worker else base) / "estimate-cache"
 
 
 def _fault_on_a_fresh_pair(code: str, error: type, *, within: float, timeout: float) -> BaseException:
