@@ -3,10 +3,12 @@
 An estimate runs elsewhere when this process cannot run it (it holds a process group already: a rank, and the
 estimator builds a fake one of its own), when the caller must go on meanwhile (a lesson's live ranks, a
 dashboard that stays responsive), or when several run at once (a sweep's points, a run's estimates made ahead).
-Every such process is a worker of `Workers`: spawned, never forked (a fork of a process that holds torch's
-threads, or of a rank, is unsafe), set up by `_set_up` with no rank variables (RANK, MASTER_ADDR, ...: it is not
-a rank of the caller's group), one torch thread, SIGKILL when the process that started it dies (Linux), and, for
-work in the background, the lowest CPU priority in a session of its own. The callers: `memory.estimate` (one
+Every such process is a worker of `Workers`: spawned, never forked from the caller (a fork of a process that
+holds torch's threads, or of a rank, is unsafe); under `fsdplab run`, a fork of the run's fork server, which
+imported torch once and holds no thread (the end of this file). It is set up by `_set_up`: no rank variables
+(RANK, MASTER_ADDR, ...: it is not a rank of the caller's group), one torch thread, SIGKILL when the process
+that started it dies (Linux), and, for work in the background, the lowest CPU priority in a session of its own.
+The callers: `memory.estimate` (one
 estimate, its progress lines relayed as they come; the dashboards through it), `sweep.Estimates` (points on
 shared fake models, several workers) and `runner.estimates_ahead` (a run's later estimates).
 
@@ -17,10 +19,15 @@ ipyparallel engine and `python -m fsdplab` need nothing).
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import queue as queue_module
+import sys
+from multiprocessing import context, popen_spawn_posix, reduction, resource_tracker, spawn, util
 
 from ..runtime import collector
+from ..runtime.processes import PYTHON_COMMAND_ENV
 
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -34,7 +41,7 @@ class Workers:
         from concurrent.futures import ProcessPoolExecutor
         import multiprocessing
 
-        context = multiprocessing.get_context("spawn")
+        context = _ThroughForkServer() if forked_workers() else multiprocessing.get_context("spawn")
         self.lines = context.Queue() if progress else None
         self.pool = ProcessPoolExecutor(max(1, count), mp_context=context, initializer=_set_up,
                                         initargs=(background, self.lines))
@@ -125,7 +132,8 @@ def _set_up(background: bool, lines) -> None:
     _progress = lines
     die_with_parent()
     if background:
-        os.setsid()
+        if os.getsid(0) != os.getpid():   # a fork server's fork leads a session of its own already
+            os.setsid()
         lowest_priority()
     set_up_for_estimates()
 
@@ -140,3 +148,61 @@ def lowest_priority() -> None:
             f.write("19")
     except OSError:   # no autogroups (not Linux, or a kernel without them): the process's nice is enough
         pass
+
+
+# --- workers forked from the run's fork server ------------------------------------------------------------
+# Under `fsdplab run` (fsdplab.runner.forkserver), a spawned worker would import torch, transformers and peft
+# again, 3-5 s of CPU before its first estimate, beside the lesson's ranks. There, a worker is a fork of the
+# server, which imported them once: multiprocessing's spawn with the server's client (runner/fork_client.py,
+# `--multiprocessing`) in place of a new interpreter. The client passes the server the descriptors spawn passes
+# the new interpreter (its pipes, the resource tracker's, the queues'), and the fork runs `spawn_main` with them at
+# the same numbers: the worker is set up (`_set_up`), fed and watched as a spawned one.
+
+def forked_workers() -> bool:
+    """Whether workers are forks of a fork server: one runs for this process (Linux only)."""
+    return bool(os.environ.get(PYTHON_COMMAND_ENV)) and sys.platform.startswith("linux")
+
+
+class _ForkServerPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn on POSIX (Python 3.10-3.13: `popen_spawn_posix.Popen._launch`, the same there),
+    starting the fork server's client instead of a new interpreter."""
+
+    def _launch(self, process_obj):
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        fp = io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, fp)
+            reduction.dump(process_obj, fp)   # adds the descriptors of the queues it holds to self._fds
+        finally:
+            context.set_spawning_popen(None)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            self._fds.extend([child_r, child_w])
+            command = json.loads(os.environ[PYTHON_COMMAND_ENV]) + [
+                "--multiprocessing", str(tracker_fd), str(child_r), ",".join(map(str, self._fds))]
+            self.pid = util.spawnv_passfds(os.fsencode(command[0]), command, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(self, util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class _ForkServerProcess(context.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _ForkServerPopen(process_obj)
+
+
+class _ThroughForkServer(context.SpawnContext):
+    """The "spawn" context whose processes are forks of the fork server (`forked_workers`)."""
+
+    Process = _ForkServerProcess

@@ -1,6 +1,11 @@
 """Stand-in for `python -m MODULE ARGS...` that asks fsdplab's fork server to run MODULE in a fork of itself.
 
     python -I .../fsdplab/runner/fork_client.py MODULE [ARGS...]
+    python -I .../fsdplab/runner/fork_client.py --multiprocessing TRACKER_FD PIPE_FD FD,FD,...
+
+The second form stands in for a worker of multiprocessing's "spawn" start method (fsdplab.memory.workers): the
+fork runs `spawn_main(tracker_fd=TRACKER_FD, pipe_handle=PIPE_FD)` with the listed descriptors open at the same
+numbers, as the spawned interpreter would have them; the client dies with the process that started it.
 
 Run by path in isolated mode, it imports only the standard library (about 20 ms) instead of torch. It sends
 the server its environment, working folder and standard streams, then stays as the process its launcher
@@ -17,8 +22,22 @@ import sys
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+MULTIPROCESSING = "--multiprocessing"
+
+
 def _fallback(module: str, args: list):
+    if module == MULTIPROCESSING:   # what multiprocessing's spawn runs
+        code = f"from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd={args[0]}, pipe_handle={args[1]})"
+        os.execv(sys.executable, [sys.executable, "-c", code, "--multiprocessing-fork"])
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+
+def _die_with_parent() -> None:
+    """SIGKILL when the process that started this one exits (Linux's PR_SET_PDEATHSIG), as a spawned worker
+    would be killed with it: the server then kills the fork, whose client is gone."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
 def _read_line(conn: socket.socket):
@@ -58,9 +77,15 @@ def main(argv: list) -> None:
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, frame: pending.append(signum))
     env = {**os.environ, "FSDPLAB_LAUNCHED_BY": str(os.getpid())}   # which process the launcher watches
-    request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
-    socket.send_fds(conn, [len(request).to_bytes(8, "big")], [0, 1, 2])
-    conn.sendall(request)
+    request = {"module": module, "args": args, "env": env, "cwd": os.getcwd()}
+    fds = [0, 1, 2]
+    if module == MULTIPROCESSING:
+        _die_with_parent()
+        request["fds"] = [int(fd) for fd in args[2].split(",")]
+        fds += request["fds"]
+    data = json.dumps(request).encode()
+    socket.send_fds(conn, [len(data).to_bytes(8, "big")], fds)
+    conn.sendall(data)
     line = _read_line(conn)
     if line is None:   # the server was killed (the run is ending): no fork, and no ordinary start
         os._exit(1)

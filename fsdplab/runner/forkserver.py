@@ -18,6 +18,7 @@ launcher, a killed kernel's watcher). The server dies with the process that star
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import selectors
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.spawn import spawn_main
 from pathlib import Path
 
 from ..runtime import collector
@@ -35,6 +37,7 @@ from ..runtime.processes import die_with_parent
 ENV = "FSDPLAB_FORKSERVER"
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"   # what ipykernel sets when MPLBACKEND is unset
 CLIENT = str(Path(__file__).resolve().parent / "fork_client.py")
+MULTIPROCESSING = "--multiprocessing"   # the client's stand-in for a spawned multiprocessing worker
 
 
 def short_temp_dir() -> str:
@@ -157,11 +160,15 @@ def _warm_models() -> None:
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
 
+MAX_FDS = 64   # a multiprocessing worker's: its pipes, the resource tracker's, and those of the queues it was given
+
+
 def _receive(conn: socket.socket) -> tuple:
-    """One request: (module, args, env, cwd) and the client's three standard stream descriptors."""
+    """One request: (module, args, env, cwd, and for a multiprocessing worker the numbers its descriptors had in
+    the client, "fds") and the client's descriptors: its three standard streams, then those of "fds"."""
     conn.settimeout(10)
-    header, fds, _, _ = socket.recv_fds(conn, 8, 3)
-    if len(header) < 8 or len(fds) != 3:
+    header, fds, _, _ = socket.recv_fds(conn, 8, MAX_FDS)
+    if len(header) < 8 or len(fds) < 3:
         for fd in fds:
             os.close(fd)
         raise OSError("incomplete request")
@@ -175,7 +182,34 @@ def _receive(conn: socket.socket) -> tuple:
         data += chunk
     request = json.loads(data)
     conn.settimeout(None)
+    if len(fds) != 3 + len(request.get("fds", [])):
+        for fd in fds:
+            os.close(fd)
+        raise OSError("descriptors missing from the request")
     return request, fds
+
+
+def _same_numbers(fds: list, numbers: list) -> None:
+    """In the fork: each of `fds` moved to the number it had in the client, as a spawned process inherits it. The
+    fork holds no other descriptor there (it closed the server's own); one it does hold is an error, not closed."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]   # out of the way of every target
+    for fd in fds:
+        os.close(fd)
+    for fd, number in zip(high, numbers):
+        try:
+            os.fstat(number)
+        except OSError:
+            os.dup2(fd, number)   # inheritable, as the client had it
+            os.close(fd)
+            continue
+        raise OSError(f"descriptor {number} is taken in the fork")
+
+
+def _spawned_worker(request: dict) -> None:
+    """In the fork: what multiprocessing's spawned interpreter runs, `spawn_main`, with the client's pipes."""
+    tracker, pipe = (int(a) for a in request["args"][:2])
+    sys.argv = ["-c", "--multiprocessing-fork"]   # as the spawned interpreter's (spawn_main checks it)
+    spawn_main(tracker_fd=tracker, pipe_handle=pipe)   # raises SystemExit with the worker's exit code
 
 
 def _run_child(request: dict, fds: list, server: int) -> None:
@@ -192,9 +226,10 @@ def _run_child(request: dict, fds: list, server: int) -> None:
         os.register_at_fork(after_in_child=die_with_parent)
         if os.getppid() != server:   # the server died before the line above
             os._exit(1)
-        for i, fd in enumerate(fds):
+        for i, fd in enumerate(fds[:3]):
             os.dup2(fd, i)
             os.close(fd)
+        _same_numbers(fds[3:], request.get("fds", []))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -212,6 +247,8 @@ def _run_child(request: dict, fds: list, server: int) -> None:
         if options:   # what Python does with PYTHONWARNINGS at start-up
             warnings.resetwarnings()
             warnings._processoptions(options)
+        if request["module"] == MULTIPROCESSING:
+            _spawned_worker(request)
         sys.argv = [request["module"], *request["args"]]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0

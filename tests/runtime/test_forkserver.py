@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import nbformat
 import psutil
@@ -149,6 +150,53 @@ def test_without_an_answering_server_ranks_start_as_usual(tmp_path, monkeypatch)
     with fsdplab.Cluster(2, spares=False, quiet=True) as c:
         assert c.run(fsdplab.rank) == [0, 1]
         assert all(psutil.Process(pid).cmdline()[1:3] == ["-m", "fsdplab.runtime.engine"] for pid in c.pids)
+
+
+def test_estimate_workers_are_forks_set_up_as_spawned_ones(server):
+    """fsdplab.memory.workers under a fork server: each worker is a fork (no second import of torch and
+    transformers), fed by multiprocessing's spawn pipes, in the background at the lowest priority, and gone when
+    the pool stops; an estimate's progress lines come back as from a spawned worker."""
+    from fsdplab.memory import estimate_elsewhere, estimate_here
+    from fsdplab.memory.workers import Workers, forked_workers
+    from fsdplab.settings import TrainSetting
+
+    assert forked_workers()
+    with Workers(2, background=True) as workers:
+        facts = [workers.submit(fn, *args).result(timeout=60)
+                 for fn, args in [(os.getppid, ()), (os.getsid, (0,)), (os.getpriority, (os.PRIO_PROCESS, 0))]]
+        forks = _forks_of(server)
+        assert facts[0] == server.pid and facts[1] in forks and facts[2] == 19, facts
+    _wait_for(lambda: not set(forks) & set(_forks_of(server)))   # the pool stopped: its forks are gone
+    lines = []
+    report = estimate_elsewhere(estimate_here, TrainSetting(model="tiny", world_size=2, seq_len=64),
+                                progress=lines.append)
+    assert report.peak_bytes > 0 and lines, lines
+
+
+def test_an_estimate_workers_fork_dies_with_the_process_that_started_it(server, tmp_path):
+    (tmp_path / "starts_a_worker.py").write_text(
+        "import os, time\n"
+        "from fsdplab.memory.workers import Workers\n"
+        "if __name__ == '__main__':\n"
+        "    workers = Workers(1)\n"
+        "    print(workers.submit(os.getpid).result(), flush=True)\n"
+        "    time.sleep(600)\n")
+    caller = subprocess.Popen([sys.executable, str(tmp_path / "starts_a_worker.py")], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(Path(fsdplab.__file__).parents[1])})
+    worker = psutil.Process(int(caller.stdout.readline()))
+    assert worker.ppid() == server.pid
+    caller.kill()   # a killed kernel: the fork server's client dies with it, and the server kills the fork
+    worker.wait(timeout=30)
+    caller.wait()
+
+
+def test_without_an_answering_server_estimate_workers_are_spawned(tmp_path, monkeypatch):
+    from fsdplab.memory.workers import Workers
+
+    monkeypatch.setenv(forkserver.ENV, str(tmp_path / "nobody-listens.sock"))
+    monkeypatch.setenv(PYTHON_COMMAND_ENV, json.dumps([sys.executable, "-I", forkserver.CLIENT]))
+    with Workers(1) as workers:
+        assert workers.submit(os.getppid).result(timeout=120) == os.getpid()   # the client became the worker
 
 
 def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, monkeypatch):
