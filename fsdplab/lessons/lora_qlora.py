@@ -54,22 +54,28 @@ def token_batch(config, batch_size: int, seq_len: int, seed: int, device="cpu") 
 
 
 def step_report(model, optimizer, batch, steps: int = 2) -> dict:
-    """On a rank: `steps` training steps under torch's memory tracker, then one more under the collective
-    counter (the optimizer's step moves nothing). Plain numbers: the peak and what it is made of, what stays
-    between steps, bytes all-gathered and reduce-scattered in one step (full tensors, as the counter reports
-    them), and the loss."""
+    """On a rank: `steps` training steps under torch's memory tracker and the collective counter. Plain numbers:
+    the peak and what it is made of, what stays between steps, bytes all-gathered and reduce-scattered in one step
+    (full tensors, as the counter reports them; every step moves the same, the optimizer's step nothing), and the
+    last step's loss."""
     from ..comms import CommCounter
     from ..memory import measure
-    from ..sharding import train_step
+    from ..step import loss_of
 
-    report = measure(model, optimizer, batch, steps=steps)
+    losses = []
+
+    def loss_fn(model, batch):
+        loss = loss_of(model, batch)
+        losses.append(loss.item())   # a number: no tensor kept alive between the tracked steps
+        return loss
+
     with CommCounter(fsdp_labels=False) as counter:
-        loss = train_step(model, optimizer, batch)
+        report = measure(model, optimizer, batch, steps=steps, loss_fn=loss_fn)
     dtypes = sorted({r["dtype"] for r in counter.records if r["kind"] == "all_gather"})
     return {"peak": report.peak_bytes, "by_category": dict(report.by_category), "resident": dict(report.resident),
-            "base": base_bytes(model), "all_gather": counter.total("tensor_bytes", kind="all_gather"),
-            "reduce_scatter": counter.total("tensor_bytes", kind="reduce_scatter"), "gather_dtypes": dtypes,
-            "loss": float(loss)}
+            "base": base_bytes(model), "all_gather": counter.total("tensor_bytes", kind="all_gather") // steps,
+            "reduce_scatter": counter.total("tensor_bytes", kind="reduce_scatter") // steps,
+            "gather_dtypes": dtypes, "loss": losses[-1]}
 
 
 def peak_category(run: dict) -> str:
