@@ -8,9 +8,9 @@ holds torch's threads, or of a rank, is unsafe); under `fsdplab run`, a fork of 
 imported torch once and holds no thread (the end of this file). It is set up by `_set_up`: no rank variables
 (RANK, MASTER_ADDR, ...: it is not a rank of the caller's group), one torch thread, SIGKILL when the process
 that started it dies (Linux), and, for work in the background, the lowest CPU priority in a session of its own.
-The callers: `memory.estimate` (one
-estimate, its progress lines relayed as they come; the dashboards through it), `sweep.Estimates` (points on
-shared fake models, several workers) and `runner.estimates_ahead` (a run's later estimates).
+The callers: `memory.estimate` (one estimate, its progress lines relayed as they come; the dashboards through
+it), `sweep.Estimates` (points on shared fake models, several workers) and `runner.estimates_ahead` (a run's later
+estimates).
 
 As with every spawned pool, a script run by path that estimates out of process must keep its top-level work
 under `if __name__ == "__main__":` (a spawned worker imports the main script; a notebook kernel, an
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import queue as queue_module
 import sys
@@ -39,7 +40,6 @@ class Workers:
 
     def __init__(self, count: int = 1, *, background: bool = False, progress: bool = False):
         from concurrent.futures import ProcessPoolExecutor
-        import multiprocessing
 
         context = _ThroughForkServer() if forked_workers() else multiprocessing.get_context("spawn")
         self.lines = context.Queue() if progress else None

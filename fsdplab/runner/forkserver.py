@@ -33,11 +33,11 @@ from pathlib import Path
 
 from ..runtime import collector
 from ..runtime.processes import die_with_parent
+from .fork_client import MULTIPROCESSING   # the client's stand-in for a spawned multiprocessing worker
 
 ENV = "FSDPLAB_FORKSERVER"
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"   # what ipykernel sets when MPLBACKEND is unset
 CLIENT = str(Path(__file__).resolve().parent / "fork_client.py")
-MULTIPROCESSING = "--multiprocessing"   # the client's stand-in for a spawned multiprocessing worker
 
 
 def short_temp_dir() -> str:
