@@ -168,6 +168,8 @@ class _ForkServerPopen(popen_spawn_posix.Popen):
     starting the fork server's client instead of a new interpreter."""
 
     def _launch(self, process_obj):
+        if not os.environ.get(PYTHON_COMMAND_ENV):   # the server stopped after the pool was made: a plain spawn
+            return super()._launch(process_obj)
         tracker_fd = resource_tracker.getfd()
         self._fds.append(tracker_fd)
         prep_data = spawn.get_preparation_data(process_obj._name)

@@ -199,6 +199,17 @@ def test_without_an_answering_server_estimate_workers_are_spawned(tmp_path, monk
         assert workers.submit(os.getppid).result(timeout=120) == os.getpid()   # the client became the worker
 
 
+def test_a_pool_made_under_a_server_spawns_its_workers_once_the_server_is_gone(tmp_path, monkeypatch):
+    from fsdplab.memory.workers import Workers
+
+    monkeypatch.setenv(forkserver.ENV, str(tmp_path / "nobody-listens.sock"))
+    monkeypatch.setenv(PYTHON_COMMAND_ENV, json.dumps([sys.executable, "-I", forkserver.CLIENT]))
+    with Workers(1) as workers:   # made while a server ran; its workers start at the first task
+        monkeypatch.delenv(PYTHON_COMMAND_ENV)   # the run's server stopped meanwhile (forkserver.stop unsets it)
+        worker = psutil.Process(workers.submit(os.getpid).result(timeout=120))
+        assert worker.ppid() == os.getpid() and "--multiprocessing-fork" in worker.cmdline()
+
+
 def test_fsdplab_run_starts_one_server_forks_its_kernels_and_stops_it(tmp_path, monkeypatch):
     started, stopped = [], []
     real_start, real_stop = forkserver.start, forkserver.stop
