@@ -39,6 +39,16 @@ def ring_sent_bytes(kind: str, tensor_bytes: float, group_size: int) -> float:
     return 0.0
 
 
+def mean_sent_bytes(kind: str, tensor_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends for a collective on a full tensor of `tensor_bytes`, averaged over the group's ranks.
+    The ring collectives send the same from every rank: `ring_sent_bytes`. A broadcast (or a reduce) along a
+    pipelined chain sends the tensor once from every rank but the last, (N-1)/N x tensor_bytes per rank on
+    average, where `ring_sent_bytes` charges each rank the whole tensor."""
+    if kind in ("broadcast", "reduce") and group_size > 1:
+        return (group_size - 1) / group_size * tensor_bytes
+    return ring_sent_bytes(kind, tensor_bytes, group_size)
+
+
 # --- links and collectives -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

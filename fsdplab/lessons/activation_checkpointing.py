@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import torch
@@ -271,6 +272,17 @@ def checkpoint_warning() -> str:
         checkpoint(torch.sin, x, preserve_rng_state=False)
     found = [str(w.message) for w in caught if "use_reentrant" in str(w.message)]
     return found[0] if found else ""
+
+
+def warning_deadline_note(message: str) -> str:
+    """One line on the release torch's use_reentrant warning names ("Starting in PyTorch 2.9, ... will raise"),
+    against the torch running here, on which `checkpoint_warning` just ran the call: it warned, and did not raise."""
+    running = str(torch.__version__).split("+")[0]
+    named = re.search(r"PyTorch (\d+(?:\.\d+)+)", message)
+    if named and torch.__version__ >= named.group(1):
+        return (f"(torch {running} still only warns, and ran the call: the release the message names, "
+                f"{named.group(1)}, came without the change)")
+    return f"(torch {running} warns, and ran the call)"
 
 
 def posts_call_on_lora(config, lora_rank: int = 8, batch_size: int = 1, seq_len: int = 16) -> dict:

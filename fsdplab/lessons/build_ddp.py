@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_private import ddp_first_bucket_bytes, torch_dispatch_mode  # noqa: F401 (the notebook reads the first)
 from ..models import TinyConfig, random_batch
-from ..network import ring_sent_bytes
+from ..network import mean_sent_bytes, ring_sent_bytes
 from ..ranks import defined, device
 from ..sharding import build_tiny, loss_of
 from .checkers import exercise, first_line, is_stub, run_on_ranks
@@ -283,15 +283,29 @@ def plot_overlap(events: list, sizes: list, bucket_bytes: int):
 WIRE_KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 
 
+def wire_sent(records: list) -> dict:
+    """Section 4's counts from `CommCounter.records`: per kind of WIRE_KINDS, how many collectives and the bytes
+    a rank sends for them, averaged over the ranks (`fsdplab.network.mean_sent_bytes`: the ring model, and a
+    broadcast along a pipelined chain at (N-1)/N of its tensor, since the last rank of the chain forwards
+    nothing)."""
+    return {kind: {"count": sum(r["kind"] == kind for r in records),
+                   "sent": sum(mean_sent_bytes(kind, r["tensor_bytes"], r["group_size"])
+                               for r in records if r["kind"] == kind)}
+            for kind in WIRE_KINDS}
+
+
 def wire_table(sent: dict, param_bytes: int, world_size: int) -> str:
-    """Section 4's table: per way, rank 0's collectives of each kind in one step (count, bytes sent by the
-    ring model) and the whole step's bytes in units of P."""
-    head = "".join(f"{kind.replace('_', '-'):>19}" for kind in WIRE_KINDS)
-    lines = [f"P = {param_bytes:,} B of fp32 parameters, {world_size} rank(s); count x bytes sent by rank 0",
+    """Section 4's table: per way and kind, the collectives rank 0 launched in one step and the bytes a rank sends
+    for them (`wire_sent`), and the whole step's bytes in units of P."""
+    head = "".join(f"{kind.replace('_', '-'):>22}" for kind in WIRE_KINDS)
+    lines = [f"P = {param_bytes:,} B of fp32 parameters, {world_size} rank(s). Per kind: the collectives of one "
+             "step, and the bytes a rank sends",
+             "for them (ring model; a broadcast at the chain's average, (N-1)/N of its tensor per rank)",
              f"{'one step':26}{head}{'total / P':>11}"]
     for name in sorted(sent, key=lambda n: n.startswith("FSDP")):    # FSDP last, as the cell lists it
         row = sent[name]
-        cells = "".join(f"{row[k]['count']:>5} x {row[k]['sent']:>9,.0f} B" for k in WIRE_KINDS)
+        cells = "".join(f"{row[k]['count']:>5} {'op, ' if row[k]['count'] == 1 else 'ops,'} {row[k]['sent']:>9,.0f} B"
+                        for k in WIRE_KINDS)
         total = sum(row[k]["sent"] for k in WIRE_KINDS)
         lines.append(f"{name:26}{cells}{total / param_bytes:>11.2f}")
     return "\n".join(lines)

@@ -86,6 +86,15 @@ def test_checkpoint_warning_names_use_reentrant():
     assert "use_reentrant" in A.checkpoint_warning()
 
 
+def test_the_note_under_the_warning_says_what_the_running_torch_does():
+    running = str(torch.__version__).split("+")[0]
+    passed = A.warning_deadline_note("Starting in PyTorch 2.0, calling checkpoint without use_reentrant will raise")
+    assert running in passed and "still only warns" in passed and "2.0" in passed
+    ahead = A.warning_deadline_note("Starting in PyTorch 99.0, calling checkpoint without use_reentrant will raise")
+    assert "still" not in ahead and "99.0" not in ahead
+    assert "still" not in A.warning_deadline_note("")
+
+
 def test_posts_call_gives_lora_adapters_no_gradient(twin):
     result = A.posts_call_on_lora(twin, lora_rank=4)
     assert result["adapters"] > 0 and result["adapters_with_gradient"] == 0

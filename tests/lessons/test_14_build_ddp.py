@@ -5,6 +5,8 @@ source, as a %%ranks cell defines them, and named to the checker."""
 import textwrap
 
 from fsdplab.exercises import check
+from fsdplab.lessons import build_ddp
+from fsdplab.network import mean_sent_bytes, ring_sent_bytes
 
 RING = {
     "naive": """
@@ -347,3 +349,19 @@ def test_answers_written_another_way_pass(cluster):
     assert check("14-ring", _define(cluster, MINE["ring"], "ring"), cluster=cluster).ok
     assert check("14-ddp", _define(cluster, MINE["ddp"], "Mine"), cluster=cluster).ok
     assert check("14-zero1", _define(cluster, MINE["zero1"], "Mine"), cluster=cluster).ok
+
+
+def test_section_4_prices_a_broadcast_at_the_chains_average():
+    # a chain broadcast: every rank but the last forwards the tensor once, (N-1)/N of it per rank on average
+    assert mean_sent_bytes("broadcast", 100, 2) == 50 and mean_sent_bytes("broadcast", 100, 4) == 75
+    assert mean_sent_bytes("broadcast", 100, 1) == 0
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):     # the ring collectives are priced as before
+        assert mean_sent_bytes(kind, 100, 4) == ring_sent_bytes(kind, 100, 4)
+    records = [{"kind": "all_reduce", "tensor_bytes": 60, "group_size": 2},
+               {"kind": "broadcast", "tensor_bytes": 60, "group_size": 2},
+               {"kind": "broadcast", "tensor_bytes": 40, "group_size": 2}]
+    sent = build_ddp.wire_sent(records)
+    assert sent["all_reduce"] == {"count": 1, "sent": 60.0} and sent["broadcast"] == {"count": 2, "sent": 50.0}
+    assert sent["all_gather"] == {"count": 0, "sent": 0}
+    table = build_ddp.wire_table({"ZeRO-1": sent}, 100, 2)
+    assert "2 ops,        50 B" in table and " x " not in table and table.endswith("1.10")
