@@ -148,9 +148,12 @@ def _mesh_verdict(results: list, lesson=None) -> str | None:
     ring = _bytes_text(results, rpn)
     if mesh and not isinstance(mesh[0], list):               # a 1-D mesh
         if sorted(mesh) == list(range(n)):
+            units = ("one unit for the whole model, gathered once a step" if out["units"] == ["root"]
+                     else f"{len(out['units'])} units")
             return (f"your parameters are {placements} on a 1-D mesh of {'both' if n == 2 else f'all {n}'} ranks: "
-                    f"plain FULL_SHARD, whose all-gathers and reduce-scatters run over ranks {mesh}, across the "
-                    f"nodes: {ring}. Make the mesh 2-D: replicate across nodes, shard inside a node.")
+                    f"plain FULL_SHARD over every rank (here {units}), whose all-gathers and reduce-scatters run "
+                    f"over ranks {mesh}, across the nodes: {ring}. Make the mesh 2-D: replicate across nodes, "
+                    "shard inside a node.")
         if not _crosses(mesh, rpn):
             meshes = sorted({tuple(x["layouts"][0][2]) for x in results if x["layouts"]})
             grads = [v for x in results for v in x.get("grad_errors", {}).values()]

@@ -75,8 +75,8 @@ def _reduce_bytes(answer, *, measured, params: int, dtypes):
 
     return close(answer, measured, rel=0.02, unit=" B",
                  hint=f"a reduce-scatter takes every unsharded gradient as input: {params:,} parameters times the "
-                      f"bytes of reduce_dtype ({', '.join(dtypes)} here); param_dtype does not decide it, and neither "
-                      "does the number of ranks.")
+                      f"bytes of reduce_dtype ({', '.join(dtypes)} here); param_dtype decides it only when "
+                      "reduce_dtype is left out, and the number of ranks never does.")
 
 
 # --- fp32 norms in a bf16 model, sharded by the learner ---------------------------------------------

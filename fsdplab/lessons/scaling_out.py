@@ -386,9 +386,9 @@ def ucx_verdict(backends: list, ucc_built: bool) -> str:
     if "ucc" not in backends:
         return (f"WRONG: this torch knows no UCX-based backend ({listed}); NCCL drives InfiniBand itself, and a "
                 "per-device mix is written 'cpu:gloo,cuda:nccl'")
-    built = "built into this torch" if ucc_built else "not built into this torch (a build option)"
-    return (f"PARTLY: no backend has that name, but 'ucc' (UCX's collective library, {built}) can run NCCL "
-            f"underneath; it is optional, since NCCL drives InfiniBand itself (backends: {listed})")
+    built = "this torch has it built in" if ucc_built else "this torch was built without it, a build option"
+    return (f"PARTLY: no backend has that name, but 'ucc', UCX's collective library, can run NCCL underneath; "
+            f"{built}; it is optional, since NCCL drives InfiniBand itself (backends torch knows: {listed})")
 
 
 def ethernet_verdict(claimed_gbps: tuple, line_rate_gbps: tuple) -> str:

@@ -46,7 +46,9 @@ def test_hsdp_checker(cluster):
     right = check("07-hsdp", _hsdp(), cluster=cluster, ranks_per_node=1)
     assert right.ok and "(Replicate(), Shard(dim=0))" in right.message and "all-reduces over [0, 1]" in right.message
     _not_yet(check("07-hsdp", _hsdp("all ranks", "root"), cluster=cluster, ranks_per_node=1),   # the cell as given
-             "1-D mesh of both ranks: plain FULL_SHARD", "between nodes")
+             "1-D mesh of both ranks: plain FULL_SHARD", "one unit for the whole model", "between nodes")
+    _not_yet(check("07-hsdp", _hsdp("all ranks"), cluster=cluster, ranks_per_node=1),          # blocks, 1-D mesh
+             "plain FULL_SHARD over every rank (here 3 units)", "between nodes")
     _not_yet(check("07-hsdp", _hsdp("ranks, nodes"), cluster=cluster, ranks_per_node=1),
              "1 x 2 mesh shards over ranks [0, 1]", "cross the node boundary", "wrong way round")
     _not_yet(check("07-hsdp", _hsdp("shard"), cluster=cluster, ranks_per_node=1),
