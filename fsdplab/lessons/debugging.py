@@ -64,9 +64,18 @@ def plant(cluster, source: str, *, timeout: float, dump_dir=None) -> dict:
         record["dumps"] = {r: str(p) for r, p in cluster.flight_recorder_dumps(dump_dir).items()}
     if cluster.broken:
         t1 = time.perf_counter()
-        cluster.restart()
+        _restart_quietly(cluster)        # the caller reports the restart with the fault (restart_s)
         record["restart_s"] = time.perf_counter() - t1
     return record
+
+
+def _restart_quietly(cluster) -> None:
+    """`cluster.restart()` without the cluster's "fresh rank(s) ready" line, for a caller that says so itself."""
+    quiet, cluster.quiet = cluster.quiet, True
+    try:
+        cluster.restart()
+    finally:
+        cluster.quiet = quiet
 
 
 def repair_group_names(folder, into) -> Path:
@@ -211,23 +220,56 @@ def print_straggler(compute: dict, step_s: dict, *, slow_rank: int, slowest: int
           f"depends on the machine's load): each of their steps waits in collectives for that work"
           if world_size > 1 else "1 rank: nobody waits for anybody")
     print(f"with the straggler the ranks' steps take {min(step_s['straggler']) * 1e3:.1f}-"
-          f"{max(step_s['straggler']) * 1e3:.1f} ms: {spread:.0%} apart, against "
+          f"{max(step_s['straggler']) * 1e3:.1f} ms: {spread:.1%} apart, against "
           f"{max(compute['straggler']) / min(compute['straggler']):.1f}x in compute")
 
 
-def plot_straggler(traced: list, *, slow_rank: int, delay: float):
-    """Section 4's figure: one traced step per rank, without and with the straggler; returns it."""
+def plot_straggler(traced: list, *, slow_rank: int, delay: float, step_s: dict | None = None):
+    """Section 4's figure: one traced step per rank, without and with the straggler; returns it. With `step_s`
+    (per kind, each rank's untraced median step), each title also gives the untraced steps' range."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 * 2 * len(traced) + 2.5))
     slowed = f"rank {slow_rank} does {delay * 1e3:.0f} ms more in layer 0's forward"
     for ax, kind, title in ((axes[0], "even", "every rank does the same work"), (axes[1], "straggler", slowed)):
-        draw_timeline([t[kind] for t in traced], ax=ax, title=f"One step, {title}")
+        # every bar gets its name here; _fit_labels keeps the names that fit inside their bars
+        draw_timeline([t[kind] for t in traced], ax=ax, title=f"One step, {title}", label_min_frac=0.0)
         end = ax.dataLim.x1                   # each panel its own step, from its start to its end: times on both
         ax.set_xlim(0, end * 1.02)
-        ax.set_title(f"One step of {end:.0f} ms, {title}")
+        untraced = ""
+        if step_s is not None:
+            low, high = min(step_s[kind]) * 1e3, max(step_s[kind]) * 1e3
+            untraced = f" (untraced: {low:.0f} ms)" if round(low) == round(high) else \
+                f" (untraced: {low:.0f}-{high:.0f} ms)"
+        ax.set_title(f"One traced step of {end:.0f} ms{untraced}, {title}")
+        _solid_swatch(ax, plt.Rectangle((0, 0), 1, 1, facecolor="0.15", edgecolor="none"))
     fig.tight_layout()
+    _fit_labels(fig, axes)
     return fig
+
+
+def _solid_swatch(ax, swatch) -> None:
+    """The timeline's legend with `swatch` for "solid: forward compute" (drawn there as white on white)."""
+    legend = ax.get_legend()
+    texts = [text.get_text() for text in legend.get_texts()]
+    handles = [swatch if text.startswith("solid") else handle for handle, text in zip(legend.legend_handles, texts)]
+    ax.legend(handles, texts, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+
+def _fit_labels(fig, axes) -> None:
+    """Keep a bar's name only where it fits inside the bar, on a white ground over the bar's hatching."""
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        bars = [ax.transData.transform(c.get_paths()[0].get_extents().get_points()) for c in ax.collections
+                if c.get_paths()]
+        for text in list(ax.texts):
+            box = text.get_window_extent(renderer)
+            x, y = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2
+            inside = [(x1 - x0) for (x0, y0), (x1, y1) in bars if x0 <= x <= x1 and y0 <= y <= y1]
+            if not inside or box.width + 4 > min(inside):
+                text.remove()
+            else:
+                text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.8, "alpha": 0.85})
 
 
 # --- exercise ----------------------------------------------------------------------------------------------
@@ -242,8 +284,12 @@ def _step_time(answer, *, measured, predicted=None):
     # 10%: refuses 1.5x the even step and guesses well short, which 25% took
     ok, message = close(answer, measured, rel=0.1, unit=" s", hint=hint)
     if not ok and predicted is not None and close(answer, predicted, rel=0.1)[0]:
-        return True, (f"{float(answer):g} s is within 10% of the even step plus the extra work ({predicted:g} s); "
-                      f"the fast ranks measured {measured:g} s: they waited a little longer than the work added.")
+        off_ms = (measured - predicted) * 1e3
+        how = (f"{off_ms:.0f} ms more: they waited longer than the work added (a busy machine)" if off_ms > 0 else
+               f"{-off_ms:.0f} ms less: their steps grew by less than the work added (ranks that share CPU "
+               "cores get more of them while the slow rank sleeps)")
+        return True, (f"{float(answer):g} s is within 10% of the even step plus the extra work ({predicted:.3g} s); "
+                      f"the fast ranks measured {measured:.3g} s, {how}.")
     return ok, message
 
 
@@ -429,7 +475,7 @@ def _planted_hang(answer, *, cluster, timeout: float, steps: int = HANG_STEPS, s
     if not cluster.running:
         return False, "the lesson's cluster is stopped: start it again (cluster.start()) and check again."
     if cluster.broken:
-        cluster.restart()
+        _restart_quietly(cluster)
     ref = cluster.run(reference_run, steps, seed, quiet=True)
     step = 0
     try:
@@ -450,7 +496,7 @@ def _planted_hang(answer, *, cluster, timeout: float, steps: int = HANG_STEPS, s
                        + _restart_note(cluster))
     finally:
         if cluster.broken:          # after the verdict's note: the cells after the check get working ranks
-            cluster.restart()
+            _restart_quietly(cluster)
     return hang_verdict(mine, ref)
 
 

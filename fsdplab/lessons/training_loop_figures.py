@@ -63,8 +63,9 @@ def plot_memory(init_by_rank, load_by_rank, big, costs, *, big_model: str, big_w
     bx.set(title=f"{big_model}: fp32 parameter GiB while initialising\n(meta-device shapes, {big_world_size} ranks)",
            ylabel="GiB")
     names = list(costs)
+    # broken at the comma and between words, never inside an identifier
     short = [n.replace(", ", ",\n").replace("set_requires_", "").replace("every micro-batch", "every\nmicro-batch")
-             .replace("gradient_sync", "gradient_\nsync").replace("all_reduce", "all_\nreduce") for n in names]
+             for n in names]
     xs = range(len(names))
     b1 = cx.bar([i - 0.2 for i in xs], [costs[n]["sent"] / MIB for n in names], 0.4, color="C1",
                 label="MiB sent (one step)")

@@ -13,13 +13,17 @@ from fsdplab.exercises import check
 from fsdplab.lessons import debugging as dbg
 
 
-def test_a_hang_is_dumped_from_every_rank_and_the_repaired_dumps_name_the_missing_rank(cluster, tmp_path):
+def test_a_hang_is_dumped_from_every_rank_and_the_repaired_dumps_name_the_missing_rank(cluster, tmp_path, capsys):
     cluster.restart()       # a flight recorder with this test's collectives only, not those of the tests before it
     cluster.execute("import torch")
+    capsys.readouterr()
     record = dbg.plant(cluster, "if rank() == 0:\n    dist.all_reduce(torch.ones(4))", timeout=2,
                        dump_dir=tmp_path / "dumps")
     assert record["outcome"] == "RankHang" and record["ranks"] == [0], record
     assert sorted(record["dumps"]) == [0, 1] and record["restart_s"] is not None and not cluster.broken
+    # the restart is the caller's to report (restart_s): no "fresh rank(s) ready" line, and the cluster's own
+    # quiet setting back as it was
+    assert "fresh rank" not in capsys.readouterr().out and not cluster.quiet
     dump = pickle.loads((tmp_path / "dumps" / "rank_0").read_bytes())
     assert dump["entries"][-1]["profiling_name"].endswith("all_reduce")
     fixed = dbg.repair_group_names(tmp_path / "dumps", tmp_path / "fixed")
@@ -96,6 +100,15 @@ def test_step_time_checker_rejects_the_answers_a_learner_gets_wrong():
     assert not check("10-step-time", even + delay, measured=measured)
     assert check("10-step-time", even + delay, measured=measured, predicted=even + delay)
     for wrong in (1.5 * even, even, delay):
+        assert not check("10-step-time", wrong, measured=measured, predicted=even + delay), wrong
+    verdict = check("10-step-time", even + delay, measured=measured, predicted=even + delay)
+    assert "12 ms more: they waited longer" in verdict.message and "\n" not in verdict.message, verdict
+    # shared CPU cores: the fast ranks' steps grew by less than the work added (a lesson run: 42.5 + 45.5 ms
+    # against 78.6 ms); the verdict says so, and by how much
+    even, delay, measured = 0.0425, 0.0455, 0.0786
+    verdict = check("10-step-time", even + delay, measured=measured, predicted=even + delay)
+    assert verdict and "9 ms less: their steps grew by less" in verdict.message and "longer" not in verdict.message
+    for wrong in (1.5 * even, even, delay, 2 * (even + delay)):
         assert not check("10-step-time", wrong, measured=measured, predicted=even + delay), wrong
 
 
