@@ -86,7 +86,7 @@ def _gpu_line(ax, labels, bottoms, gpu_mem_gib, card, highlight):
         ax.text(0.99, 0.98, f"{gpu_mem_gib:.4g} GiB GPU: {card / tallest:,.0f}x the tallest bar",
                 transform=ax.transAxes, ha="right", va="top", fontsize=8)
         return
-    # Bars far above the line are clipped and labelled with their height.
+    # Bars far above the line are clipped, broken (two white slashes) and labelled with their height.
     top = max(2.5 * card, 1.15 * (bottoms[highlight] if highlight is not None else 0))
     if tallest > top:
         ax.set_ylim(0, top)
@@ -94,6 +94,8 @@ def _gpu_line(ax, labels, bottoms, gpu_mem_gib, card, highlight):
             if height > top:
                 ax.text(x, top * 0.97, f"{height:.0f}", ha="center", va="top", fontsize=8, color="white",
                         fontweight="bold")
+                ax.plot([x, x], [top * 0.84, top * 0.80], linestyle="none", marker=[(-1, -0.4), (1, 0.4)],
+                        markersize=14, markeredgewidth=2.5, color="white")
     ax.axhline(card, color="black", linestyle="--", linewidth=1)
     # inside the plot, clear of the right spine (x in axes units, y in data units), over whatever it crosses
     ax.text(0.985, card, f"{gpu_mem_gib:.4g} GiB GPU", transform=ax.get_yaxis_transform(), va="bottom", ha="right",
@@ -414,9 +416,10 @@ def memory_dashboard(model="qwen-7b", world_size=8, strategy="full_shard", preci
             card = gpu_mem_gib * GIB / unit if gpu_mem_gib else 0
             top = 1.12 * max(max(heights), card if card <= 10 * max(heights) else 0)   # a far card is not drawn
             ax.set_ylim(0, top)
-        for x, height in enumerate(heights):      # the number on each bar (inside the plot when clipped)
-            ax.text(x, min(height, top * 0.97), f"{height:.1f}", ha="center", va="bottom" if height < top * 0.9
-                    else "top", fontsize=7)
+        for x, height in enumerate(heights):      # the number on each bar; a clipped bar has its own (_gpu_line)
+            if height <= top:
+                ax.text(x, height, f"{height:.1f}", ha="center", va="bottom" if height < top * 0.9 else "top",
+                        fontsize=7)
         if found is not None:
             exact_marker(ax, index, found.peak_bytes / unit)
         lora = f"LoRA r={chosen.lora_rank}" if chosen.lora_rank else "full fine-tune"

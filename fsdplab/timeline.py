@@ -306,7 +306,8 @@ def _legend(ax, labels) -> None:
     handles = [Patch(facecolor=_colour(f"layers.{i}"), label=f"layer {i}") for i in layers]
     if any(not re.search(r"layers\.\d+", label) for label in labels):
         handles.append(Patch(facecolor=_colour(""), label="root unit / other"))
-    handles += [Patch(facecolor="white", edgecolor="none", label="solid: forward compute"),
-                Patch(facecolor="white", edgecolor="black", hatch="//", label="hatched: backward, reduce-scatter"),
-                Patch(facecolor="white", edgecolor="black", label="outlined: a collective")]
+    look = "#d9d9d9"   # the three looks on one neutral fill, so that each swatch shows its look, not a layer
+    handles += [Patch(facecolor=look, edgecolor="none", label="solid: forward compute"),
+                Patch(facecolor=look, edgecolor="black", hatch="//", label="hatched: backward, reduce-scatter"),
+                Patch(facecolor=look, edgecolor="black", label="outlined: a collective")]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

@@ -18,10 +18,13 @@ POSTS_BAND_GIB = (17.0, 19.0)   # claim 16: "17-19 GB per card", read as nvidia-
 
 # --- GPU cards: the memory a program can see -----------------------------------------------------------------
 # An A10 is sold as "24 GB" but reports 23,028 MiB (NVML total 24,146,608,128 B = 22.49 GiB); the CUDA context
-# takes a few hundred MiB more before the first tensor. nvidia-smi shows MiB.
+# takes more before the first tensor (0.82 GiB measured on an H200). nvidia-smi shows MiB.
 A10_BYTES = 23_028 * MIB
 A10_GIB = A10_BYTES / GIB
 CARD_GIB = {"A10": A10_GIB, "A100-80GB": 80.0, "H100-SXM": 79.65}   # H100 80GB reports 81,559 MiB
+# What a lesson subtracts from a card before it says "fits": the CUDA context (0.82 GiB measured on an H200)
+# and some fragmentation, which an active peak leaves out. One rule for every lesson (03's dashboard, 06's figures).
+CARD_RESERVE_GIB = 1.0
 
 # --- the claims, as the posts state them -----------------------------------------------------------------------
 CLAIMS = {
@@ -49,6 +52,7 @@ CLAIMS = {
 }
 
 # --- lesson 01 ---------------------------------------------------------------------------------------------------
+CLAIM17_GB = {"ddp": 78, "fsdp": 24, "offload": 12}   # claim 17: Llama-7B per GPU, decimal GB as the posts write
 
 # --- lesson 02 ---------------------------------------------------------------------------------------------------
 

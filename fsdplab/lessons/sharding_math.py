@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .checkers import close, exercise, first_line, ranks_not_ready
+from .posts import CLAIM17_GB
 from ..display import COLORS
 from ..settings import GIB, MIB
 
@@ -107,12 +108,16 @@ def claim12_measured(whole_model_peak: int, per_block_peak: int, last: int) -> s
     return f"{peaks} ({1 - per_block_peak / whole_model_peak:.0%} lower) on {last} ranks"
 
 
-def claim17_word(mixed_state_bytes: int, pure_bf16_peak_bytes: int, card_gib: float = 80.0) -> str:
-    """Claim 17 ("Llama-7B: DDP 78 GB") from the formula's DDP model state with mixed-precision Adam and the
-    DDP peak with pure bf16 weights and bf16 Adam (no fp32 master copy), against an 80 GiB card."""
-    if mixed_state_bytes / GIB <= card_gib:
-        return "plausible"
-    return "partly" if pure_bf16_peak_bytes / GIB <= card_gib else "wrong"
+def claim17_word(mixed_state_bytes: int, pure_bf16_peak_bytes: int, card_gib: float = 80.0,
+                 fsdp_peak_bytes: int | None = None, offload_peak_bytes: int | None = None) -> str:
+    """Claim 17 ("Llama-7B: DDP 78 GB, FSDP 24 GB, FSDP + offload 12 GB") from the formula: DDP's model state with
+    mixed-precision Adam and its peak with pure bf16 weights and bf16 Adam (no fp32 master copy) against an 80 GiB
+    card, and, when given, the FSDP and offload peaks per rank against the posts' 24 GB and 12 GB. A peak above
+    the posts' number makes that number too low: wrong; below it, a bigger batch or sequence can reach it."""
+    posts = [(fsdp_peak_bytes, CLAIM17_GB["fsdp"]), (offload_peak_bytes, CLAIM17_GB["offload"])]
+    if pure_bf16_peak_bytes / GIB > card_gib or any(b is not None and b > gb * 1e9 for b, gb in posts):
+        return "wrong"
+    return "plausible" if mixed_state_bytes / GIB <= card_gib else "partly"
 
 
 def claim18_word(max_saving_bytes: float, claimed_saving_bytes: float) -> str:
@@ -122,14 +127,28 @@ def claim18_word(max_saving_bytes: float, claimed_saving_bytes: float) -> str:
 
 
 def claim17_measured(mixed_state_bytes: int, pure_state_bytes: int, pure_peak_bytes: int,
-                     card_gib: float = 80.0) -> str:
-    """The "measured here" text of claim 17's row: Llama-7B's DDP model state and peak per rank."""
+                     card_gib: float = 80.0, fsdp_peak_bytes: int | None = None,
+                     offload_peak_bytes: int | None = None) -> str:
+    """The "measured here" text of claim 17's row: Llama-7B's DDP model state and peak per rank, and, when given,
+    the FSDP and offload peaks per rank, each beside the posts' number."""
     over = "more" if mixed_state_bytes / GIB > card_gib else "less"
-    return (f"Llama-7B under DDP with mixed-precision Adam needs {mixed_state_bytes / GIB:.1f} GiB "
+    pure_gb, ddp_gb = pure_peak_bytes / 1e9, CLAIM17_GB["ddp"]
+    side = "below" if pure_gb <= ddp_gb else "above"
+    nearer = "nearer to" if abs(pure_gb - ddp_gb) < abs(mixed_state_bytes / 1e9 - ddp_gb) else "farther from"
+    text = (f"Llama-7B under DDP with mixed-precision Adam needs {mixed_state_bytes / GIB:.1f} GiB "
             f"({mixed_state_bytes / 1e9:.0f} GB) of model state per rank, {over} than an 80 GiB card holds "
             f"before a single activation; pure bf16 weights with bf16 Adam need {pure_state_bytes / GIB:.1f} GiB "
-            f"({pure_state_bytes / 1e9:.0f} GB), peak {pure_peak_bytes / GIB:.1f} GiB: the posts' 78 GB fits "
-            "that reading only")
+            f"({pure_state_bytes / 1e9:.0f} GB) of state and {pure_peak_bytes / GIB:.1f} GiB ({pure_gb:.1f} GB) at "
+            f"the peak (seq 2048, batch 1), {abs(pure_gb / ddp_gb - 1):.0%} {side} "
+            f"the posts' {ddp_gb} GB: of the two readings, this one is {nearer} it")
+    for name, peak in (("FSDP", fsdp_peak_bytes), ("FSDP + offload", offload_peak_bytes)):
+        if peak is not None:
+            gb = CLAIM17_GB["fsdp" if name == "FSDP" else "offload"]
+            text += (f"; {name} on 8 ranks peaks at {peak / GIB:.1f} GiB ({peak / 1e9:.1f} GB) per rank, "
+                     f"{'below' if peak <= gb * 1e9 else 'above'} the posts' {gb} GB")
+    if fsdp_peak_bytes is not None or offload_peak_bytes is not None:
+        text += " (the posts give no batch size or sequence length: larger ones than here raise every peak)"
+    return text
 
 
 def claim18_measured(state_bytes: float, max_saving_bytes: float, claimed_saving_bytes: float) -> str:

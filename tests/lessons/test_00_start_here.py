@@ -43,3 +43,5 @@ def test_the_seq_exercise_stays_right_when_its_cell_runs_again(tmp_path):
     texts = ["".join(out.get("text", "") for out in cell.outputs) for cell in runs]
     for text in texts:
         assert "00-hang-seq: correct" in text, texts
+        # RankHang's report, which names the number, comes only after the verdict on the answer
+        assert text.index("00-hang-seq: correct") < text.index("waits in barrier #3"), texts

@@ -65,6 +65,12 @@ def test_verdict_words_follow_the_measurements():
     assert S.claim3_word(1.0002, 2.7, 4) == "partly" and S.claim3_word(1.0, 1.0, 4) == "right"
     assert S.claim12_word(6.7, 4.0, 4) == "partly" and S.claim12_word(4.0, 4.0, 4) == "right"
     assert S.claim17_word(100 * GIB, 64 * GIB) == "partly" and S.claim17_word(100 * GIB, 90 * GIB) == "wrong"
+    # the FSDP and offload peaks against the posts' 24 GB and 12 GB: above either makes the posts' number too low
+    assert S.claim17_word(100 * GIB, 64 * GIB, fsdp_peak_bytes=16.7 * GIB, offload_peak_bytes=4.1 * GIB) == "partly"
+    assert S.claim17_word(100 * GIB, 64 * GIB, fsdp_peak_bytes=25e9, offload_peak_bytes=4.1 * GIB) == "wrong"
+    assert S.claim17_word(100 * GIB, 64 * GIB, fsdp_peak_bytes=16.7 * GIB, offload_peak_bytes=13e9) == "wrong"
+    row = S.claim17_measured(100 * GIB, 50 * GIB, 64 * GIB, fsdp_peak_bytes=16.7 * GIB, offload_peak_bytes=4.1 * GIB)
+    assert "below the posts' 24 GB" in row and "below the posts' 12 GB" in row and "nearer to it" in row
     assert S.claim18_word(0.84e9, 14e9) == "wrong" and S.claim18_word(12e9, 14e9) == "plausible"
 
 

@@ -105,6 +105,19 @@ def test_dashboard_labels_are_whole_and_bars_carry_their_numbers():
     assert all(f"{h:.1f}" in shown for h in heights), (heights, shown)
 
 
+def test_dashboard_gives_a_clipped_bar_one_number():
+    dash = D.memory_dashboard(model="llama2-70b", world_size=64, lora_rank=0, activation_checkpointing=True,
+                              gpu_mem_gib=80)
+    ax = dash.figure.axes[0]
+    top = ax.get_ylim()[1]
+    texts = [t for t in ax.texts if t.get_text() != "80 GiB GPU"]
+    for x, (name, report) in enumerate(dash.result["reports"].items()):
+        height = report.peak_bytes / D.GIB
+        on_bar = [t for t in texts if t.get_position()[0] in (x, name)]   # a bar's index, or its category
+        assert len(on_bar) == 1, (height, [t.get_text() for t in on_bar])
+        assert on_bar[0].get_text() == (f"{height:.0f}" if height > top else f"{height:.1f}")
+
+
 def test_the_exact_button_shows_its_stages_as_a_bar(monkeypatch):
     from fsdplab.memory import exact
 

@@ -87,6 +87,14 @@ def test_draw_simulation_has_labelled_axes():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["communication", "compute"]
 
 
+def test_every_legend_entry_has_a_visible_swatch():
+    ax = timeline.draw_timeline(timeline.simulate_step(num_layers=3), title="sim")
+    legend = ax.get_legend()
+    for text, patch in zip(legend.get_texts(), legend.get_patches()):
+        face, edge = patch.get_facecolor(), patch.get_edgecolor()
+        assert face[:3] != (1.0, 1.0, 1.0) or edge[3] > 0, f"{text.get_text()!r} has no swatch"
+
+
 @pytest.fixture(scope="module")
 def traces(cluster):
     return cluster.run(_traced_step, quiet=True)
