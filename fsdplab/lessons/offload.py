@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ..network import get_link
 from ..settings import GIB
+from .posts import CARD_RESERVE_GIB
 
 # Host links by the short name a GPU's `host_link` uses; the bandwidths are network.PRESETS' (per direction).
 PCIE_BYTES_PER_S = {name: get_link(name).bytes_per_s for name in ("PCIe 4.0 x16", "PCIe 5.0 x16")}
@@ -280,7 +281,7 @@ def step_time(num_params: float, world_size: int, gpu_name: str = "A10", *, cpu_
 # --- which option fits (lesson 03's dashboard draws it) -------------------------------------------
 
 OPTIONS = ("nothing", "offload", "more GPUs", "LoRA")
-RESERVE_GIB = 1.0   # CUDA context and allocator fragmentation, which the formula leaves out
+RESERVE_GIB = CARD_RESERVE_GIB   # CUDA context and allocator fragmentation, which the formula leaves out
 
 
 def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str = "A10", *,

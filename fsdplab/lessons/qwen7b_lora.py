@@ -10,7 +10,7 @@ import math
 
 from .checkers import close, exercise
 from ..settings import GIB, TrainSetting, check_choice, PRECISIONS
-from .posts import A10_GIB, POSTS_BAND_GIB, POSTS_SETTING
+from .posts import A10_GIB, CARD_RESERVE_GIB, POSTS_BAND_GIB, POSTS_SETTING
 
 
 
@@ -31,6 +31,19 @@ VARIANTS = {"posts": {}, "no checkpointing": dict(activation_checkpointing=False
 def setting(**changes) -> TrainSetting:
     """The posts' setting with some fields changed (TypeError names a field that does not exist)."""
     return POSTS_SETTING.replace(**changes)
+
+
+def usable_gib(gpu_gib: float) -> float:
+    """What the lesson lets a run's active peak take of a `gpu_gib` card: the card less CARD_RESERVE_GIB (the
+    CUDA context and some fragmentation), the rule lesson 03's dashboard judges by too."""
+    return gpu_gib - CARD_RESERVE_GIB
+
+
+def _card_lines(ax, gpu_gib):
+    """The card's size and the usable part of it, as two horizontal lines labelled for the legend."""
+    ax.axhline(gpu_gib, color="black", linestyle="--", linewidth=1, label=f"A10: {gpu_gib:.2f} GiB")
+    ax.axhline(usable_gib(gpu_gib), color="tab:red", linestyle=":", linewidth=1.2,
+               label=f"usable: {gpu_gib:.2f} GiB - {CARD_RESERVE_GIB:g} GiB reserve")
 
 
 # --- Qwen-7B v1 as its own code lays it out --------------------------------------------------------------
@@ -72,7 +85,7 @@ def draw_breakdown(ax, labels, reports, extras=None, gpu_gib=A10_GIB, band=POSTS
     if band:
         ax.axhspan(*band, color="gold", alpha=0.3, label=f"posts: {band[0]:g}-{band[1]:g} GB per card")
     if gpu_gib:
-        ax.axhline(gpu_gib, color="black", linestyle="--", linewidth=1, label=f"A10: {gpu_gib:.2f} GiB")
+        _card_lines(ax, gpu_gib)
     ax.set_ylabel("peak memory per GPU (GiB)")
     return bottoms
 
@@ -85,10 +98,12 @@ def plot_heatmap(seq_lens, batch_sizes, heat, exact_gib, bars, report_of, fsdp1_
     from ..display import draw_heatmap
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.6), gridspec_kw={"width_ratios": [1.2, 1]})
-    image = draw_heatmap(ax1, seq_lens, batch_sizes, heat, exact_gib, gpu_gib=gpu_gib)
+    usable = usable_gib(gpu_gib)
+    image = draw_heatmap(ax1, seq_lens, batch_sizes, heat, exact_gib, gpu_gib=usable)
     fig.colorbar(image, ax=ax1, label="peak memory per GPU (GiB)")
-    ax1.set_title("Qwen-7B LoRA r=64, 8 GPUs, FULL_SHARD, fp16, checkpointing\n"
-                  f"colour: formula; ★: exact estimate; hatched: over {gpu_gib:g} GiB", fontsize=10)
+    ax1.set_title("Qwen-7B LoRA r=64, 8 GPUs, FULL_SHARD, fp16, checkpointing\ncolour: formula; ★: exact "
+                  f"estimate; hatched: over {usable:.2f} GiB ({gpu_gib:g} GiB - {CARD_RESERVE_GIB:g} GiB reserve)",
+                  fontsize=10)
     draw_breakdown(ax2, [label for label, _, _ in bars], [report_of[cell] for _, cell, _ in bars],
                    [fsdp1_extra_bytes * f1 for _, _, f1 in bars], gpu_gib=gpu_gib)
     ax2.set_title("exact per-GPU peak by category (seq x micro-batch)", fontsize=10)
@@ -105,16 +120,52 @@ def plot_one_knob(variant_gib: dict, variant_exact: dict, gpu_gib=A10_GIB):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 3.5))
-    ax.bar(list(variant_gib), list(variant_gib.values()), color="#4c72b0", label="formula")
+    usable = usable_gib(gpu_gib)
+    names = list(variant_gib)
+    for over, color, label in ((False, "#4c72b0", "formula, fits"),
+                               (True, "#c44e52", "formula, over the usable memory")):
+        shown = [i for i, gib in enumerate(variant_gib.values()) if (gib > usable) == over]
+        if shown:
+            ax.bar(shown, [variant_gib[names[i]] for i in shown], color=color, label=label)
+    ax.set_xticks(range(len(names)), names)
     ax.plot([list(variant_gib).index(n) for n in variant_exact], list(variant_exact.values()), "*", color="gold",
             markersize=14, markeredgecolor="black", linestyle="none", label="exact estimate")
-    ax.axhline(gpu_gib, color="black", linestyle="--", label=f"A10 {gpu_gib:g} GiB")
+    _card_lines(ax, gpu_gib)
     ax.set(title="Qwen-7B LoRA on 8 GPUs: one knob changed from the posts' setting",
            ylabel="peak memory per GPU (GiB)", xlabel="setting")
-    ax.tick_params(axis="x", labelsize=8, labelrotation=20)
+    ax.tick_params(axis="x", labelsize=8, labelrotation=30)
+    for label in ax.get_xticklabels():   # anchored at their right end: long names do not run into the next
+        label.set_horizontalalignment("right")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
+
+
+# Why a knob moves the peak, for the one-knob section's sentence (the values of VARIANTS: 4 sequences, 4096 tokens).
+KNOB_REASONS = {"SHARD_GRAD_OP": "every layer stays gathered from its forward to its backward",
+                "full fine-tune": "gradients and Adam state for every weight",
+                "micro-batch 4": "4x the tokens, so the activations and logits",
+                "seq 4096": "2x the tokens, so the activations and logits",
+                "no checkpointing": "every layer's activations kept for backward",
+                "fp16 base": "frozen shards in 2 bytes instead of 4"}
+
+
+def knob_line(variant_gib: dict, gpu_gib: float, variant_exact: dict | None = None, small: float = 0.5) -> str:
+    """The one-knob figure in words, from its bars (`variant_gib`, formula GiB by VARIANTS name): the knobs by how
+    far they move the posts' peak, those that move it less than `small` GiB, and the bars over the usable memory
+    (with their exact estimate where `variant_exact` has one)."""
+    posts, usable = variant_gib["posts"], usable_gib(gpu_gib)
+    changes = sorted(((gib - posts, name) for name, gib in variant_gib.items() if name != "posts"),
+                     key=lambda change: -abs(change[0]))
+    moved = "; ".join(f"{name} {change:+.1f} GiB" + (f" ({KNOB_REASONS[name]})" if name in KNOB_REASONS else "")
+                      for change, name in changes if abs(change) >= small)
+    still = ", ".join(name for change, name in changes if abs(change) < small)
+    over = ", ".join(f"{name} {variant_gib[name]:.1f} GiB"
+                     + (f" (exact {variant_exact[name]:.1f})" if name in (variant_exact or {}) else "")
+                     for _, name in changes if variant_gib[name] > usable)
+    return (f"From the posts' {posts:.1f} GiB (formula), by how far each knob moves the peak: {moved}.\n"
+            f"Less than {small:g} GiB: {still or 'none'}.\n"
+            f"Over the usable {usable:.2f} GiB of an A10, by the formula: {over or 'none'}.")
 
 
 # --- what FSDP1 (the posts' API) adds ----------------------------------------------------------------------
@@ -178,8 +229,9 @@ def fsdp1_frozen_gradients(setting: TrainSetting = POSTS_SETTING, *, model_dtype
 # --- the dashboard ---------------------------------------------------------------------------------------------
 
 def lora_dashboard(gpu_gib: float = A10_GIB, **start):
-    """Knobs of the posts' setup -> per-GPU breakdown (formula, instant) and "fits / does not fit" on an
-    A10; the button runs the exact estimate for the current knobs (10-60 s) and marks it on the bar."""
+    """Knobs of the posts' setup -> per-GPU breakdown (formula, instant) and "fits / does not fit" in an
+    A10's usable memory (`usable_gib`); the button runs the exact estimate for the current knobs (10-60 s) and
+    marks it on the bar."""
     import ipywidgets as W
 
     from ..display import Dashboard, exact_in_background, exact_marker
@@ -209,7 +261,7 @@ def lora_dashboard(gpu_gib: float = A10_GIB, **start):
         report = formula(chosen)
         extra = fsdp1_frozen_gradients(chosen)["extra_peak_bytes"] if api != "FSDP2" else 0
         total = (report.peak_bytes + extra) / GIB
-        fits = total <= gpu_gib
+        fits = total <= usable_gib(gpu_gib)
         ax = fig.add_subplot(1, 1, 1)
         draw_breakdown(ax, ["formula"], [report], [extra], gpu_gib=gpu_gib)
         ax.set_ylim(0, max(gpu_gib * 1.15, total * 1.1))
@@ -261,14 +313,26 @@ def claim16_verdict(posts_gib: float, fsdp1_gib: dict, band=POSTS_BAND_GIB, sour
             "looked at lands in the band with FSDP1 either.")
 
 
-def one_gpu_fit(margin: float) -> str:
-    """Whether LoRA fits on one card without sharding, from `margin`: the card's GiB minus the run's."""
-    if margin < 0:
-        return "does not fit"
-    if margin < 2.5:
-        return ("borderline: it fits on paper, with little left for the CUDA context (a few hundred MiB) and "
-                "the allocator's slack")
-    return "fits"
+def one_gpu_measured(gpu_gib: float) -> dict:
+    """The posts' LoRA run on one card, unsharded, with a 16-bit frozen base: what the H200 measured for that
+    setting (`h200_rows`) against a `gpu_gib` card. GiB by field of the row, `fits` (the device's use within the
+    card) and `words`, the measurement and the verdict in one clause."""
+    want = setting(world_size=1, base_dtype="fp16", attention="sdpa")
+    row = next(r for r in h200_rows() if r.train_setting().replace(lora_alpha=want.lora_alpha) == want)
+    gib = {k: getattr(row, k) / GIB for k in ("allocated", "reserved", "device_used", "outside_allocator")}
+    fits = gib["device_used"] <= gpu_gib
+    if fits:
+        verdict = f"fits in {gpu_gib:g} GiB, {gpu_gib - gib['device_used']:.1f} GiB to spare"
+    elif gib["allocated"] <= gpu_gib:
+        verdict = (f"does not fit in {gpu_gib:g} GiB: the live tensors would, the allocator's reserve and the CUDA "
+                   f"context take it {gib['device_used'] - gpu_gib:.1f} GiB over")
+    else:
+        verdict = (f"does not fit in {gpu_gib:g} GiB: the live tensors alone are over the card, and what the "
+                   f"device holds is {gib['device_used'] - gpu_gib:.1f} GiB over")
+    words = (f"the same run at world size 1, measured on an H200 ({row.case}): {gib['allocated']:.2f} GiB of live "
+             f"tensors, {gib['reserved']:.2f} GiB reserved by the caching allocator, {gib['device_used']:.2f} GiB "
+             f"on the device with the CUDA context ({gib['outside_allocator']:.2f} GiB) -> {verdict}")
+    return {**gib, "fits": fits, "words": words, "case": row.case}
 
 
 def card_view_line(view: dict) -> str:
@@ -286,11 +350,13 @@ def by_setting_line(fsdp2_gib: dict, fsdp1_gib: dict, source: dict) -> str:
                      for (s, b), g in sorted(fsdp2_gib.items()))
 
 
-def summary_markdown(*, claim15: str, ff_verdict: str, one_gpu: float, gpu_gib: float, fit_words: str,
-                     claim16: str, view: dict, v1_lora: int, lora_gap: int, first: float, last: float,
+def summary_markdown(*, claim15: str, ff_verdict: str, one_gpu: dict, lora_16bit_gib: float, claim16: str,
+                     view: dict, v1_lora: int, lora_gap: int, first: float, last: float,
                      mini_gap: float, mini_accuracy: float) -> str:
     """The lesson's summary in Markdown: claims 15 and 16, Qwen-7B v1's LoRA size and the miniature's run."""
     c16 = claim16[:1].upper() + claim16[1:]
+    sharding = ("Sharding splits the frozen weights 8 ways on top." if one_gpu["fits"] else
+                "So sharding is needed too: it splits the frozen weights 8 ways.")
     if view:
         card = (f"allocator reserves more than the live tensors: {view['reserved'] / GIB:.1f} GiB for this step by the "
                 "lab's\n  model of it, and nvidia-smi adds the CUDA context (as measured on an H200 at world size 1) "
@@ -300,9 +366,9 @@ def summary_markdown(*, claim15: str, ff_verdict: str, one_gpu: float, gpu_gib: 
         card = "allocator reserves more than the live tensors; this estimate has no model of the card's view."
     return f"""
 - **Claim 15, "consumer GPUs; sharding is why a 7B model fits": {claim15}.** The A10 is a
-  datacenter card. Exact estimate: {ff_verdict} For the posts' LoRA run, LoRA is what leaves room: its trained
-  state is tiny; with a 16-bit base one A10 would need about {one_gpu:.1f} GiB by addition, against
-  {gpu_gib:g} GiB: {fit_words}. Sharding splits the frozen weights 8 ways on top.
+  datacenter card. Exact estimate: {ff_verdict} For the posts' LoRA run, LoRA's trained state is small:
+  with a 16-bit frozen base the model state is {lora_16bit_gib:.1f} GiB on one card; {one_gpu['words']}.
+  {sharding}
 - **Claim 16, "17-19 GB per card".** {c16} The fp32 weight shards are only part of the FSDP2 peak; the rest
   is the fp16 layers in flight, the logits of a 151,936-word vocabulary, and activations. On a real card the caching
   {card}
@@ -357,3 +423,9 @@ def h200_rows() -> list:
     from ..memory.gpu_measured import ROWS
 
     return [r for r in ROWS if r.model == "qwen-7b"]
+
+
+def h200_summary(summary: str, rows: list) -> str:
+    """gpu_measured.summary()'s text (`summary`) for a table of `rows`: its note on the rows marked (†) only when
+    one of them is."""
+    return summary if any(r.not_comparable for r in rows) else summary.split(" (†)")[0]

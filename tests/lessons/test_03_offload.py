@@ -141,6 +141,27 @@ def test_cost_figure_marks_each_speed_on_its_curve():
     plt.close(fig)
 
 
+def test_cost_figure_ns_ticks_leave_room_between_labels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speeds = {"here": 4.2e-9, "host": 1.56e-9}     # the run whose 1.5 and 2 ns ticks ran together
+    fig = plt.figure()
+    L.draw_cost(fig, {k: L.cost_table(7.72e9, 8, v) for k, v in speeds.items()}, 7.72e9, 8, speeds)
+    ticks = sorted(fig.axes[1].get_xticks())
+    assert 1.5 not in ticks and all(b / a >= 2 for a, b in zip(ticks, ticks[1:]))
+    assert 1.5 in fig.axes[1].get_yticks()      # the posts' 1.43x still has its tick on the slowdown axis
+    plt.close(fig)
+
+
+def test_loss_temporaries_are_counted_in_fp32_logits():
+    logits = 2048 * 151936 * 4
+    line = L.loss_temporaries_line(4 * logits + 16384, 2048, 1, 151936)
+    assert "= 4.0 x the fp32 logits" in line and "1.16 GiB" in line and "4.64 GiB" in line
+
+
 def test_cost_figure_stars_the_marked_speed_and_labels_its_lowest_case():
     import matplotlib
 

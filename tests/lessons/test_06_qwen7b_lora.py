@@ -11,7 +11,7 @@ import pytest
 
 from fsdplab.exercises import check
 from fsdplab.memory.formula import formula
-from fsdplab.lessons import full_finetune as F, qwen7b_lora as Q
+from fsdplab.lessons import full_finetune as F, offload as O, qwen7b_lora as Q
 from fsdplab.lessons.full_finetune import full_finetune_settings
 from fsdplab.models import PARAM_COUNTS, hf_config
 from fsdplab.settings import GIB
@@ -83,6 +83,40 @@ def test_parameters_parse_and_world_size_is_declared(caplog):
 def test_fixed_statements_stay_fixed():
     text = NOTEBOOK.read_text()
     assert "one_gpu < gpu_gib < states" not in text and "159_907_840" not in text and "161_480_704" not in text
+    # the one-card verdict is the H200's measurement, not a sum; KiB are KiB
+    assert "by addition" not in text and "a few hundred MiB" not in text and r'KB\"' not in text   # KiB, not KB
+    assert "Activation checkpointing and sequence length matter most" not in text
+
+
+def test_one_card_verdict_is_what_the_h200_measured():
+    one = Q.one_gpu_measured(22.49)
+    assert one["case"] == "qwen7b-lora64-ac-fp16" and not one["fits"] and one["allocated"] > 22.49
+    assert "25.26 GiB on the device" in one["words"] and "does not fit in 22.49 GiB" in one["words"]
+    assert "0.82 GiB" in one["words"]                       # the context as measured, not a guess
+    assert "the live tensors would" in Q.one_gpu_measured(24.0)["words"]
+    assert Q.one_gpu_measured(40.0)["fits"]
+    text = Q.summary_markdown(claim15="partly", ff_verdict="x.", one_gpu=one, lora_16bit_gib=16.8, claim16="right",
+                              view={}, v1_lora=1, lora_gap=1, first=2.0, last=0.1, mini_gap=0.0, mini_accuracy=1.0)
+    assert "25.26 GiB" in text and "sharding is needed too" in text
+
+
+def test_knob_line_follows_the_bars():
+    bars = {name: formula(Q.setting(**kw)).peak_bytes / GIB for name, kw in Q.VARIANTS.items()}
+    moved, small, over = Q.knob_line(bars, 22.49, {"full fine-tune": 20.8}).splitlines()
+    largest = max((n for n in bars if n != "posts"), key=lambda n: abs(bars[n] - bars["posts"]))
+    assert moved.split(": ", 1)[1].startswith(largest + " ")
+    assert "r=8" in small and "attention only" in small and "r=8" not in moved
+    assert "SHARD_GRAD_OP" in over and "micro-batch 4" in over and "(exact 20.8)" in over and "seq 4096" not in over
+    assert Q.knob_line(bars, 80.0).endswith("none.")
+
+
+def test_one_fit_rule_for_lessons_03_and_06():
+    assert Q.usable_gib(22.49) == pytest.approx(22.49 - O.RESERVE_GIB)
+    assert Q.usable_gib(22.49) < formula(Q.setting(batch_size=4)).peak_bytes / GIB < 22.49   # over, though < card
+    from fsdplab.memory import gpu_measured
+
+    assert "(†)" not in Q.h200_summary(gpu_measured.summary(), Q.h200_rows())
+    assert "(†)" in Q.h200_summary(gpu_measured.summary(), gpu_measured.ROWS)      # where a row is marked
 
 
 def test_estimates_read_back_and_deduplicated_start_no_worker(tmp_path, monkeypatch):
