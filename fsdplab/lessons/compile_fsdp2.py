@@ -33,11 +33,21 @@ def pick_backend(device_type: str) -> str:
     return GPU_BACKEND if device_type == "cuda" else CPU_BACKEND
 
 
+# What the lesson counts as a graph's operations: calls of functions, of tensor methods (a block's `transpose`,
+# `masked_fill_`) and of modules. `explain`'s own `op_count` counts the function calls only.
+OP_NODES = ("call_function", "call_method", "call_module")
+
+
+def graph_ops(gm) -> int:
+    """The operations of one dynamo graph (an fx GraphModule): its nodes of the kinds in OP_NODES."""
+    return sum(node.op in OP_NODES for node in gm.graph.nodes)
+
+
 class GraphCounter:
     """A torch.compile backend that counts the graphs dynamo hands it, and their operations, then compiles each
     with the backend named `backend` ("aot_eager", "inductor", ...). Pass it as `torch.compile(m, backend=...)`.
 
-    graphs: one entry per graph, the number of operations in it (calls of functions, methods and modules)."""
+    graphs: one entry per graph, the number of operations in it (`graph_ops`)."""
 
     def __init__(self, backend: str = CPU_BACKEND):
         import torch._dynamo
@@ -47,7 +57,7 @@ class GraphCounter:
         self.graphs: list = []
 
     def __call__(self, gm, example_inputs):
-        self.graphs.append(sum(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes))
+        self.graphs.append(graph_ops(gm))
         return self._compile(gm, example_inputs)
 
     @property
@@ -82,9 +92,9 @@ def reason_line(reason) -> str:
 
 
 def explain(fn, *args) -> dict:
-    """`torch._dynamo.explain(fn)(*args)` in plain data: graphs, breaks, operations, each break's reason line and
-    the line of your code where it broke. Dynamo's caches are reset first, so that nothing compiled earlier
-    hides a graph.
+    """`torch._dynamo.explain(fn)(*args)` in plain data: graphs, breaks, operations (`graph_ops` of its graphs, as
+    GraphCounter counts them), each break's reason line and the line of your code where it broke. Dynamo's caches
+    are reset first, so that nothing compiled earlier hides a graph.
 
     breaks: the breaks explain gives a reason for. Its own `graph_break_count` is graphs - 1, which misses a
     break after the frame's last tensor operation (an `.item()` just before `return`): no graph follows it."""
@@ -94,7 +104,8 @@ def explain(fn, *args) -> dict:
     torch.compiler.reset()
     found = torch._dynamo.explain(fn)(*args)
     frames = [r.user_stack[-1] if r.user_stack else None for r in found.break_reasons]
-    return {"graphs": found.graph_count, "breaks": len(found.break_reasons), "ops": found.op_count,
+    return {"graphs": found.graph_count, "breaks": len(found.break_reasons),
+            "ops": sum(graph_ops(gm) for gm in found.graphs),
             "reasons": [reason_line(r) for r in found.break_reasons],
             "where": [code_line(f.filename, f.lineno, f.line) if f is not None else "" for f in frames],
             "frames": [(f.filename, f.lineno) if f is not None else None for f in frames]}

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,11 +81,14 @@ class Run:
                               self.stderr))
 
     def summary(self) -> list:
-        """torchrun's failure report, short: the failing rank's error line, restarts, then the summary block's
-        root cause (the script FAILED, which rank, its exit code)."""
+        """torchrun's failure report, short: the ranks' error lines (each once, with its count when attempts
+        repeated it), then the summary block's root cause (the script FAILED, which rank, its exit code)."""
         errors = [line for line in self.stderr.splitlines()
                   if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", line)]
-        out = [_short(line) for line in dict.fromkeys(errors)][:3]
+        # one line per error, counted: each restart repeats the same errors (with another peer's port)
+        counts = Counter(_same_error(line) for line in errors)
+        first = {_same_error(line): line for line in reversed(errors)}
+        out = [_short(first[key]) + (f"  (x{n})" if n > 1 else "") for key, n in counts.items()][:3]
         block = self.stderr.split("Root Cause (first observed failure):")
         failed = re.findall(r"^\S+ FAILED$", self.stderr, re.M)
         if failed:
@@ -114,6 +118,11 @@ def _split_results(stdout: str) -> tuple:
         at = end
     rest.append(stdout[at:])
     return results, "".join(rest)
+
+
+def _same_error(line: str) -> str:
+    """An error line without what differs between attempts: a peer's address and port."""
+    return re.sub(r"\[[^\]\s]+\]:\d+", "[address]", line)
 
 
 def _short(line: str, width: int = 150) -> str:

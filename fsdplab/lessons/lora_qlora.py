@@ -318,14 +318,14 @@ def _compute_dtype(answer, *, cluster, config, outlier_scale: float, lora_rank: 
 
 def runs_table(runs: dict) -> str:
     """This rank's runs, one line each, in KiB: the frozen base's shard, the optimizer state kept between steps,
-    the bytes all-gathered and reduce-scattered in one step, the peak and the category that holds most of it."""
+    the bytes all-gathered and reduce-scattered in one step, and the peak (what it is made of is exercise 1's
+    question: the figure shows it)."""
     head = (f"{'run (KiB on this rank)':36s}{'base shard':>11s}{'opt. state':>11s}{'gathered':>10s}"
-            f"{'scattered':>10s}{'peak':>9s}  peak is mostly")
+            f"{'scattered':>10s}{'peak':>9s}")
     lines = [head]
     for name, r in runs.items():
         lines.append(f"{name:36s}{r['base'] / 1024:11,.0f}{r['resident'].get('optimizer_state', 0) / 1024:11,.0f}"
-                     f"{r['all_gather'] / 1024:10,.0f}{r['reduce_scatter'] / 1024:10,.0f}{r['peak'] / 1024:9,.0f}"
-                     f"  {peak_category(r)}")
+                     f"{r['all_gather'] / 1024:10,.0f}{r['reduce_scatter'] / 1024:10,.0f}{r['peak'] / 1024:9,.0f}")
     return "\n".join(lines)
 
 

@@ -118,3 +118,18 @@ def test_an_interrupt_stops_torchrun_and_its_ranks(forked, script, tmp_path, mon
         assert not [p for p in map(psutil.Process, left) if p.status() != psutil.STATUS_ZOMBIE]
     finally:
         forkserver.stop(server)
+
+
+def test_the_summary_counts_the_errors_each_restart_repeats():
+    """With --max-restarts 1 every attempt fails alike: each error line is shown once, with how often it came
+    (a peer's port differs between attempts); one attempt's lines carry no count."""
+    def attempt(port):
+        return ["[rank1]: Traceback (most recent call last):", "[rank1]: RuntimeError: rank 1 fails at step 2",
+                f"[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:{port}. A remote worker crashed."]
+
+    twice = lesson.Run([], 1, 1.0, "", "\n".join(attempt(4765) + attempt(3472)))
+    assert twice.summary() == ["[rank1]: RuntimeError: rank 1 fails at step 2  (x2)",
+                               "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:4765. A remote worker "
+                               "crashed.  (x2)"]
+    once = lesson.Run([], 1, 1.0, "", "\n".join(attempt(4765)))
+    assert once.summary() == [line.removesuffix("  (x2)") for line in twice.summary()]

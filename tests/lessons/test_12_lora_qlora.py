@@ -65,6 +65,7 @@ def test_bytes_of_the_bases_and_what_the_gathers_move(runs):
 def test_peak_category(runs):
     run = runs["bf16"]
     assert lesson.peak_category(run) == "activations"
+    assert "activations" not in lesson.runs_table({"bf16 base": run})    # the table printed before the check
     assert check("12-peak-category", "activations", run=run).ok
     _not_yet(check("12-peak-category", "parameters", run=run), "parameters held", "grows with tokens")
     _not_yet(check("12-peak-category", "optimizer_state", run=run), "optimizer_state held")

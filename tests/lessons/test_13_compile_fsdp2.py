@@ -146,6 +146,7 @@ def test_the_counter_and_explain_say_what_the_lesson_prints():
     torch.compiler.reset()
     out = torch.compile(block, backend=counter, fullgraph=True)(x)
     assert counter.count == 1 and counter.ops > 5 and torch.allclose(out, block(x)), counter.graphs
+    assert found["ops"] == counter.ops, (found, counter.graphs)     # the lesson prints one count for one graph
     assert lesson.fullgraph_error(block, x) is None
     assert lesson.fullgraph_error(Planted(TinyConfig()), x * 10).startswith("Data-dependent branching (")
     said = lesson.break_reason(Planted(TinyConfig()), x * 10)
