@@ -9,4 +9,5 @@ MODULES = {"00": "start_here", "01": "sharding_math", "02": "prefetch", "03": "c
            "12": "lora_qlora", "13": "compile_fsdp2", "14": "build_ddp", "15": "build_fsdp"}
 
 # A lesson's code exercise in a module of its own, where the lesson's module would grow past about 500 lines.
-CODE_EXERCISES = {"03": "offload_setup", "06": "lora_fsdp", "07": "hsdp", "08": "checkpoint_blocks"}
+CODE_EXERCISES = {"03": "offload_setup", "06": "lora_fsdp", "07": "hsdp", "08": "checkpoint_blocks",
+                  "10": "planted_hang"}

@@ -119,7 +119,7 @@ def test_no_function_one_rank_or_a_step_that_raises(cluster):
 def test_the_verdict_names_nan_before_the_steps_and_gaps():
     import torch
 
-    from fsdplab.lessons.debugging import hang_verdict
+    from fsdplab.lessons.planted_hang import hang_verdict
 
     def run(changed, nan=(False, False, False), params=(1.0, 2.0)):
         return {"notes": [{"changed": c, "nan": n} for c, n in zip(changed, nan)], "params": torch.tensor(params),
