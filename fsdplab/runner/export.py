@@ -128,7 +128,7 @@ def export_script(path, parameters: dict | None = None) -> str:
 
 def sbatch_script(script: str, nodes: int, ranks_per_node: int, gpus: bool = True) -> str:
     """A Slurm batch file that runs `script` on `nodes` nodes, `ranks_per_node` ranks each: one torchrun per node
-    (srun), c10d rendezvous at the first node. `gpus`: ask Slurm for a GPU per rank."""
+    (srun), c10d rendezvous at the first node, on a port of the job's own. `gpus`: ask Slurm for a GPU per rank."""
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(f"--sbatch needs at least 1 node and 1 rank per node, got {nodes} and {ranks_per_node}.")
     name = Path(script).stem
@@ -142,8 +142,11 @@ Submit: sbatch {name}.sbatch
 {gres}#SBATCH --output={name}-%j.log
 set -euo pipefail
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The rendezvous port from the job id (below Linux's ephemeral ports): two jobs that share their first node
+# meet at two stores, not at one.
+port=$((10000 + SLURM_JOB_ID % 20000))
 srun --nodes {nodes} --ntasks-per-node 1 python -m torch.distributed.run --nnodes {nodes} \\
-    --nproc-per-node {ranks_per_node} --rdzv-backend c10d --rdzv-endpoint "$head:29500" \\
+    --nproc-per-node {ranks_per_node} --rdzv-backend c10d --rdzv-endpoint "$head:$port" \\
     --rdzv-id "$SLURM_JOB_ID" {script}
 """
 

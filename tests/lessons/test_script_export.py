@@ -183,7 +183,7 @@ def test_sbatch_runs_one_torchrun_per_node(tmp_path, capsys):
     assert main(["export", "02", "--out", str(out), "--sbatch", "2", "--ranks-per-node", "8"]) == 0
     batch = (tmp_path / "lesson02.sbatch").read_text()
     assert "#SBATCH --nodes=2" in batch and "#SBATCH --gpus-per-node=8" in batch
-    assert "--nnodes 2" in batch and "--nproc-per-node 8" in batch and '--rdzv-endpoint "$head:29500"' in batch
+    assert "--nnodes 2" in batch and "--nproc-per-node 8" in batch and '--rdzv-endpoint "$head:$port"' in batch
     assert batch.rstrip().endswith("lesson02.py")
     assert "sbatch" in capsys.readouterr().out
     assert subprocess.run(["bash", "-n", str(tmp_path / "lesson02.sbatch")]).returncode == 0   # valid shell
