@@ -47,6 +47,7 @@ WING_OF = {
     "fsdplab.display": "face",
     "fsdplab.records": "face",
     "fsdplab.import_noise": "face",         # what importing fsdplab silences of peft's and torchao's imports
+    "fsdplab.import_once": "face",          # what importing fsdplab spares of transformers' import
     # the lessons: one module per lesson, the checkers, the posts' claims
     "fsdplab.lessons": "lessons",
     "fsdplab.recipes": "lessons",           # the lessons' case studies as torchrun scripts
