@@ -7,7 +7,8 @@ the host memory offload fills and on the group a clip with offload needs (its co
 from __future__ import annotations
 
 from .checkers import close, exercise, first_line, ranks_not_ready
-from .offload import GPUS, RESERVE_GIB, plan, step_time
+from .offload import GPUS, plan, step_time
+from .posts import CARD_RESERVE_GIB, usable_gib
 from ..settings import GIB
 from .full_finetune import full_finetune_settings
 
@@ -82,8 +83,8 @@ def draw_plan(fig, rows: dict, gpu_mem_gib: float, title: str = ""):
     ax_mem, ax_time = fig.subplots(1, 2)
     colors = ["tab:green" if rows[k]["fits"] else "tab:red" for k in names]
     ax_mem.bar(names, [rows[k]["gpu_bytes"] / GIB for k in names], color=colors)
-    ax_mem.axhline(gpu_mem_gib - RESERVE_GIB, color="k", ls="--",
-                   label=f"usable: {gpu_mem_gib:g} GiB - {RESERVE_GIB:g} GiB reserve")
+    ax_mem.axhline(usable_gib(gpu_mem_gib), color="k", ls="--",
+                   label=f"usable: {gpu_mem_gib:g} GiB - {CARD_RESERVE_GIB:g} GiB reserve")
     for i, k in enumerate(names):
         if k == "more GPUs":
             n = rows[k]["world_size"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..network import get_link
 from ..settings import GIB
-from .posts import CARD_RESERVE_GIB
+from .posts import usable_gib
 
 # Host links by the short name a GPU's `host_link` uses; the bandwidths are network.PRESETS' (per direction).
 PCIE_BYTES_PER_S = {name: get_link(name).bytes_per_s for name in ("PCIe 4.0 x16", "PCIe 5.0 x16")}
@@ -281,14 +281,14 @@ def step_time(num_params: float, world_size: int, gpu_name: str = "A10", *, cpu_
 # --- which option fits (lesson 03's dashboard draws it) -------------------------------------------
 
 OPTIONS = ("nothing", "offload", "more GPUs", "LoRA")
-RESERVE_GIB = CARD_RESERVE_GIB   # CUDA context and allocator fragmentation, which the formula leaves out
 
 
 def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str = "A10", *,
          cpu_adam_seconds_per_param: float = 3e-9, lora_rank: int = 64, seq_len: int = 2048,
          max_world_size: int = 1024) -> dict:
     """For each of OPTIONS: per-rank GPU bytes (formula, bf16, activation checkpointing), whether it fits in
-    `gpu_mem_gib` minus RESERVE_GIB, and the modelled step time (`step_time`, per rank, same per-rank batch).
+    `usable_gib(gpu_mem_gib)` (the card less the lessons' reserve), and the modelled step time (`step_time`, per
+    rank, same per-rank batch).
 
     'nothing': full fine-tune, FSDP2 FULL_SHARD on `world_size` GPUs. 'offload': the same with
     CPUOffloadPolicy. 'more GPUs': the smallest power-of-two world size (<= max_world_size) at which the
@@ -299,7 +299,7 @@ def plan(gpu_mem_gib: float, num_params: float, world_size: int, gpu_name: str =
         raise ValueError("gpu_mem_gib, num_params and world_size must be positive.")
     from ..memory.formula import spec_of
 
-    budget = (gpu_mem_gib - RESERVE_GIB) * GIB
+    budget = usable_gib(gpu_mem_gib) * GIB
     spec = llama_like(num_params)
     params = spec_of(spec).total_params()
     kw = dict(cpu_adam_seconds_per_param=cpu_adam_seconds_per_param, tokens_per_rank=seq_len)

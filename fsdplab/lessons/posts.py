@@ -26,6 +26,11 @@ CARD_GIB = {"A10": A10_GIB, "A100-80GB": 80.0, "H100-SXM": 79.65}   # H100 80GB 
 # and some fragmentation, which an active peak leaves out. One rule for every lesson (03's dashboard, 06's figures).
 CARD_RESERVE_GIB = 1.0
 
+
+def usable_gib(gpu_gib: float) -> float:
+    """What a lesson lets a run's active peak take of a `gpu_gib` card: the card less CARD_RESERVE_GIB."""
+    return gpu_gib - CARD_RESERVE_GIB
+
 # --- the claims, as the posts state them -----------------------------------------------------------------------
 CLAIMS = {
     1: "FSDP splits a weight matrix by column: an 8x4 matrix on 4 cards keeps 8x1 each",

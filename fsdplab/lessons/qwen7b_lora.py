@@ -10,7 +10,7 @@ import math
 
 from .checkers import close, exercise
 from ..settings import GIB, TrainSetting, check_choice, PRECISIONS
-from .posts import A10_GIB, CARD_RESERVE_GIB, POSTS_BAND_GIB, POSTS_SETTING
+from .posts import A10_GIB, CARD_RESERVE_GIB, POSTS_BAND_GIB, POSTS_SETTING, usable_gib
 
 
 
@@ -31,12 +31,6 @@ VARIANTS = {"posts": {}, "no checkpointing": dict(activation_checkpointing=False
 def setting(**changes) -> TrainSetting:
     """The posts' setting with some fields changed (TypeError names a field that does not exist)."""
     return POSTS_SETTING.replace(**changes)
-
-
-def usable_gib(gpu_gib: float) -> float:
-    """What the lesson lets a run's active peak take of a `gpu_gib` card: the card less CARD_RESERVE_GIB (the
-    CUDA context and some fragmentation), the rule lesson 03's dashboard judges by too."""
-    return gpu_gib - CARD_RESERVE_GIB
 
 
 def _card_lines(ax, gpu_gib):
@@ -423,9 +417,3 @@ def h200_rows() -> list:
     from ..memory.gpu_measured import ROWS
 
     return [r for r in ROWS if r.model == "qwen-7b"]
-
-
-def h200_summary(summary: str, rows: list) -> str:
-    """gpu_measured.summary()'s text (`summary`) for a table of `rows`: its note on the rows marked (†) only when
-    one of them is."""
-    return summary if any(r.not_comparable for r in rows) else summary.split(" (†)")[0]

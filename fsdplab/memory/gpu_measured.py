@@ -169,11 +169,13 @@ def table(rows=None) -> str:
     return "\n".join(lines)
 
 
-def summary() -> str:
-    """One paragraph: the machine, the method and the spread over the comparable rows."""
+def summary(rows=None) -> str:
+    """One paragraph: the machine, the method and the spread over the comparable rows. `rows`: the table it is
+    printed under (default: every row); the note on rows marked (†) only when one of them is."""
     active = [r.estimated_active / r.allocated - 1 for r in COMPARABLE]
     reserved = [r.estimated_reserved / r.reserved - 1 for r in COMPARABLE]
     return (f"measured on an H200 ({MACHINE['date']}; {MACHINE['software']}): {METHOD} Estimated: {ESTIMATED_WITH}. "
             f"Over the {len(COMPARABLE)} comparable settings the active estimate is within "
             f"{min(active):+.1%} .. {max(active):+.1%} of max_memory_allocated, the reserved estimate within "
-            f"{min(reserved):+.1%} .. {max(reserved):+.1%} of max_memory_reserved. (†) {_OFF}.")
+            f"{min(reserved):+.1%} .. {max(reserved):+.1%} of max_memory_reserved."
+            + (f" (†) {_OFF}." if any(r.not_comparable for r in (ROWS if rows is None else rows)) else ""))

@@ -9,6 +9,7 @@ import torch
 from fsdplab.lessons import offload as O
 from fsdplab.memory.formula import spec_of
 from fsdplab.lessons import cpu_offload as L
+from fsdplab.lessons.posts import usable_gib
 from fsdplab.settings import GIB
 
 
@@ -82,7 +83,7 @@ def test_plan_and_dashboard():
     assert not rows["nothing"]["fits"] and rows["offload"]["fits"] and rows["more GPUs"]["fits"]
     n = rows["more GPUs"]["world_size"]
     assert n > 8 and n & (n - 1) == 0
-    assert rows["more GPUs"]["gpu_bytes"] <= (80 - O.RESERVE_GIB) * GIB
+    assert rows["more GPUs"]["gpu_bytes"] <= usable_gib(80) * GIB == 79 * GIB
     with pytest.raises(ValueError):
         O.plan(0, 7e9, 8)
     dash = L.dashboard()

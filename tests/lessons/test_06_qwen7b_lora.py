@@ -11,8 +11,9 @@ import pytest
 
 from fsdplab.exercises import check
 from fsdplab.memory.formula import formula
-from fsdplab.lessons import full_finetune as F, offload as O, qwen7b_lora as Q
+from fsdplab.lessons import full_finetune as F, qwen7b_lora as Q
 from fsdplab.lessons.full_finetune import full_finetune_settings
+from fsdplab.lessons.posts import CARD_RESERVE_GIB
 from fsdplab.models import PARAM_COUNTS, hf_config
 from fsdplab.settings import GIB
 
@@ -111,12 +112,12 @@ def test_knob_line_follows_the_bars():
 
 
 def test_one_fit_rule_for_lessons_03_and_06():
-    assert Q.usable_gib(22.49) == pytest.approx(22.49 - O.RESERVE_GIB)
+    assert Q.usable_gib(22.49) == pytest.approx(22.49 - CARD_RESERVE_GIB)
     assert Q.usable_gib(22.49) < formula(Q.setting(batch_size=4)).peak_bytes / GIB < 22.49   # over, though < card
     from fsdplab.memory import gpu_measured
 
-    assert "(†)" not in Q.h200_summary(gpu_measured.summary(), Q.h200_rows())
-    assert "(†)" in Q.h200_summary(gpu_measured.summary(), gpu_measured.ROWS)      # where a row is marked
+    assert "(†)" not in gpu_measured.summary(Q.h200_rows())
+    assert "(†)" in gpu_measured.summary() == gpu_measured.summary(gpu_measured.ROWS)   # where a row is marked
 
 
 def test_estimates_read_back_and_deduplicated_start_no_worker(tmp_path, monkeypatch):
