@@ -298,6 +298,22 @@ def draw_timeline(traces, ax=None, title: str = "One training step per rank", un
     return ax
 
 
+def fit_labels(ax) -> None:
+    """Keep a bar's name only where it fits inside the bar, on a white ground over the bar's hatching. For a
+    timeline drawn with label_min_frac=0 (every name), once the figure's size and limits are final."""
+    renderer = ax.figure.canvas.get_renderer()
+    bars = [ax.transData.transform(c.get_paths()[0].get_extents().get_points()) for c in ax.collections
+            if c.get_paths()]
+    for text in list(ax.texts):
+        box = text.get_window_extent(renderer)
+        x, y = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2
+        inside = [(x1 - x0) for (x0, y0), (x1, y1) in bars if x0 <= x <= x1 and y0 <= y <= y1]
+        if not inside or box.width + 4 > min(inside):
+            text.remove()
+        else:
+            text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.8, "alpha": 0.85})
+
+
 def _legend(ax, labels) -> None:
     """What the colours and the hatching mean: one swatch per layer drawn, the root unit, and the three looks."""
     from matplotlib.patches import Patch

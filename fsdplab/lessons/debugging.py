@@ -25,7 +25,7 @@ from pathlib import Path
 from .checkers import close, exercise
 from ..owned_folders import fresh_owned
 from .. import RankDied, RankError, RankHang
-from ..timeline import draw_timeline
+from ..timeline import draw_timeline, fit_labels
 
 
 def default_timeouts() -> dict:
@@ -231,7 +231,7 @@ def plot_straggler(traced: list, *, slow_rank: int, delay: float, step_s: dict |
     fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 * 2 * len(traced) + 2.5))
     slowed = f"rank {slow_rank} does {delay * 1e3:.0f} ms more in layer 0's forward"
     for ax, kind, title in ((axes[0], "even", "every rank does the same work"), (axes[1], "straggler", slowed)):
-        # every bar gets its name here; _fit_labels keeps the names that fit inside their bars
+        # every bar gets its name here; fit_labels keeps the names that fit inside their bars
         draw_timeline([t[kind] for t in traced], ax=ax, title=f"One step, {title}", label_min_frac=0.0)
         end = ax.dataLim.x1                   # each panel its own step, from its start to its end: times on both
         ax.set_xlim(0, end * 1.02)
@@ -242,24 +242,9 @@ def plot_straggler(traced: list, *, slow_rank: int, delay: float, step_s: dict |
                 f" (untraced: {low:.0f}-{high:.0f} ms)"
         ax.set_title(f"One traced step of {end:.0f} ms{untraced}, {title}")
     fig.tight_layout()
-    _fit_labels(fig, axes)
-    return fig
-
-
-def _fit_labels(fig, axes) -> None:
-    """Keep a bar's name only where it fits inside the bar, on a white ground over the bar's hatching."""
-    renderer = fig.canvas.get_renderer()
     for ax in axes:
-        bars = [ax.transData.transform(c.get_paths()[0].get_extents().get_points()) for c in ax.collections
-                if c.get_paths()]
-        for text in list(ax.texts):
-            box = text.get_window_extent(renderer)
-            x, y = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2
-            inside = [(x1 - x0) for (x0, y0), (x1, y1) in bars if x0 <= x <= x1 and y0 <= y <= y1]
-            if not inside or box.width + 4 > min(inside):
-                text.remove()
-            else:
-                text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.8, "alpha": 0.85})
+        fit_labels(ax)
+    return fig
 
 
 # --- exercise ----------------------------------------------------------------------------------------------

@@ -95,6 +95,24 @@ def test_every_legend_entry_has_a_visible_swatch():
         assert face[:3] != (1.0, 1.0, 1.0) or edge[3] > 0, f"{text.get_text()!r} has no swatch"
 
 
+def test_fit_labels_keeps_the_names_that_fit_inside_their_bars():
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 2))              # narrow: not every bar can hold its name
+    timeline.draw_timeline(timeline.simulate_step(num_layers=6), ax=ax, label_min_frac=0.0)
+    drawn = len(ax.texts)
+    timeline.fit_labels(ax)
+    kept = list(ax.texts)
+    assert 0 < len(kept) < drawn
+    renderer = fig.canvas.get_renderer()
+    bars = [ax.transData.transform(c.get_paths()[0].get_extents().get_points()) for c in ax.collections]
+    for text in kept:
+        box = text.get_window_extent(renderer)
+        assert any(x0 <= box.x0 and box.x1 <= x1 for (x0, _), (x1, _) in bars), text.get_text()
+        assert text.get_bbox_patch() is not None                 # on a white ground over the hatching
+    plt.close(fig)
+
+
 @pytest.fixture(scope="module")
 def traces(cluster):
     return cluster.run(_traced_step, quiet=True)
