@@ -63,18 +63,9 @@ def plant(cluster, source: str, *, timeout: float, dump_dir=None) -> dict:
         record["dumps"] = {r: str(p) for r, p in cluster.flight_recorder_dumps(dump_dir).items()}
     if cluster.broken:
         t1 = time.perf_counter()
-        restart_quietly(cluster)        # the caller reports the restart with the fault (restart_s)
+        cluster.restart(quiet=True)     # the caller reports the restart with the fault (restart_s)
         record["restart_s"] = time.perf_counter() - t1
     return record
-
-
-def restart_quietly(cluster) -> None:
-    """`cluster.restart()` without the cluster's "fresh rank(s) ready" line, for a caller that says so itself."""
-    quiet, cluster.quiet = cluster.quiet, True
-    try:
-        cluster.restart()
-    finally:
-        cluster.quiet = quiet
 
 
 def repair_group_names(folder, into) -> Path:

@@ -4,7 +4,6 @@ the lesson's ranks against the lab's own step."""
 from __future__ import annotations
 
 from .checkers import exercise
-from .debugging import restart_quietly
 from .. import RankDied, RankError, RankHang
 from ..runtime.tracebacks import rank_list
 
@@ -191,7 +190,7 @@ def _planted_hang(answer, *, cluster, timeout: float, steps: int = HANG_STEPS, s
     if not cluster.running:
         return False, "the lesson's cluster is stopped: start it again (cluster.start()) and check again."
     if cluster.broken:
-        restart_quietly(cluster)
+        cluster.restart(quiet=True)
     ref = cluster.run(reference_run, steps, seed, quiet=True)
     step = 0
     try:
@@ -212,7 +211,7 @@ def _planted_hang(answer, *, cluster, timeout: float, steps: int = HANG_STEPS, s
                        + _restart_note(cluster))
     finally:
         if cluster.broken:          # after the verdict's note: the cells after the check get working ranks
-            restart_quietly(cluster)
+            cluster.restart(quiet=True)
     return hang_verdict(mine, ref)
 
 

@@ -129,6 +129,9 @@ class Cluster:
     # --- life cycle ---------------------------------------------------------------------------
     def start(self) -> "Cluster":
         """Start the ranks and their process group; returns self."""
+        return self._start(self.quiet)
+
+    def _start(self, quiet: bool) -> "Cluster":
         with self._lock:
             if self.running:
                 return self
@@ -149,7 +152,7 @@ class Cluster:
                 raise
             Cluster._latest = weakref.ref(self)
             self._start_spares(only_if_wanted=True)
-            if not self.quiet:
+            if not quiet:
                 print(f"fsdplab: {self.world_size} rank(s) ready on {self.backend} "
                       f"({'one GPU per rank' if self.backend == 'nccl' else f'CPU, {self.threads} thread(s) each'}"
                       f"{self.launcher.describe(self._plan, self._jobs)}) in {time.perf_counter() - t0:.1f} s")
@@ -349,19 +352,21 @@ class Cluster:
             raise RuntimeError("these processes of the cluster did not die: " + ", ".join(
                 [f"pid {p.pid} ({' '.join(cmdline(p))[:80]})" for p in survivors] + left))
 
-    def restart(self) -> "Cluster":
-        """Kill the ranks (even stuck ones) and start a fresh group with the same settings."""
+    def restart(self, quiet: bool = False) -> "Cluster":
+        """Kill the ranks (even stuck ones) and start a fresh group with the same settings. quiet: without the
+        "ready" line, for a caller that reports the restart itself."""
+        quiet = quiet or self.quiet
         with self._lock:
             t0 = time.perf_counter()
             try:
                 if self._restart_on_spares():
-                    if not self.quiet:
+                    if not quiet:
                         print(f"fsdplab: {self.world_size} fresh rank(s) ready in {time.perf_counter() - t0:.1f} s")
                     return self
             except Exception:  # noqa: BLE001 - fall back to a full start
                 pass
             self._shutdown()
-            return self.start()
+            return self._start(quiet)
 
     def __enter__(self):
         return self.start()

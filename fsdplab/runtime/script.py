@@ -180,7 +180,7 @@ class Cluster:
             dist.barrier()
         self.running = False
 
-    def restart(self):
+    def restart(self, quiet: bool = False):
         raise RuntimeError("a script cannot restart its ranks: torchrun's --max-restarts N runs the whole script "
                            "again when a rank dies.")
 

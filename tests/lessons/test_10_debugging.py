@@ -22,7 +22,7 @@ def test_a_hang_is_dumped_from_every_rank_and_the_repaired_dumps_name_the_missin
     assert record["outcome"] == "RankHang" and record["ranks"] == [0], record
     assert sorted(record["dumps"]) == [0, 1] and record["restart_s"] is not None and not cluster.broken
     # the restart is the caller's to report (restart_s): no "fresh rank(s) ready" line, and the cluster's own
-    # quiet setting back as it was
+    # quiet setting untouched (cluster.restart(quiet=True))
     assert "fresh rank" not in capsys.readouterr().out and not cluster.quiet
     dump = pickle.loads((tmp_path / "dumps" / "rank_0").read_bytes())
     assert dump["entries"][-1]["profiling_name"].endswith("all_reduce")

@@ -160,8 +160,8 @@ def test_kernel_never_initialises_cuda(cluster):
     assert not torch.cuda.is_initialized()
 
 
-def test_hang_is_reported_with_stack_then_restart_recovers():
-    with fsdplab.Cluster(2, backend="gloo", quiet=True) as c:
+def test_hang_is_reported_with_stack_then_restart_recovers(capsys):
+    with fsdplab.Cluster(2, backend="gloo") as c:
         t0 = time.monotonic()
         with pytest.raises(fsdplab.RankHang) as info:
             c.execute("dist.all_reduce(torch.ones(1))", ranks=[0], timeout=3)
@@ -173,9 +173,13 @@ def test_hang_is_reported_with_stack_then_restart_recovers():
         old = c.pids
         with pytest.raises(RuntimeError, match="restart"):
             c.run(lambda: 1)
-        c.restart()
+        capsys.readouterr()
+        c.restart(quiet=True)                     # for a caller that reports the restart itself
+        assert "ready" not in capsys.readouterr().out and not c.quiet
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in old)
         assert [r[3] for r in c.run(_all_reduce_rank)] == [1.0, 1.0]
+        c.restart()
+        assert "rank(s) ready" in capsys.readouterr().out     # spares joined, or a full start
 
 
 def test_dead_rank_is_reported_with_exit_code(fault_on_fresh_pair):
