@@ -24,16 +24,20 @@ def remembered(read):
     subfolders a read walks into are read as part of it, as before."""
     tables, depth = {}, [0]
 
-    def read_once(module_path):
-        if depth[0]:                          # a subfolder, inside its parent's read
-            return read(module_path)
+    def read_once(module_path, *args, **kwargs):
+        if depth[0] or args or kwargs or not isinstance(module_path, (str, os.PathLike)):
+            return read(module_path, *args, **kwargs)     # a subfolder inside its parent's read, or a new signature
         folder = os.path.realpath(os.path.dirname(module_path) if os.path.isfile(module_path) else module_path)
         if folder not in tables:
             depth[0] += 1
             try:
-                tables[folder] = pickle.dumps(read(folder))   # a copy (sets, dicts, strings): 4 ms, not a read
+                table = read(folder)
             finally:
                 depth[0] -= 1
+            try:
+                tables[folder] = pickle.dumps(table)      # a copy (sets, dicts, strings): 4 ms, not a read
+            except Exception:  # noqa: BLE001 - a table pickle cannot copy: not remembered, as without the hook
+                return table
         return pickle.loads(tables[folder])
 
     read_once.__wrapped__ = read

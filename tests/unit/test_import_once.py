@@ -41,7 +41,7 @@ def test_the_models_folder_is_read_once():
 
     reads = []
 
-    def read(path):
+    def read(path, *more):
         reads.append(path)
         return {"folder": {"nested": {"a"}}}
 
@@ -50,6 +50,9 @@ def test_the_models_folder_is_read_once():
     first["folder"]["nested"].add("changed by a caller")
     again = read_once("/tmp/")
     assert reads == ["/tmp"] and again == {"folder": {"nested": {"a"}}}      # a copy each time, read once
+    assert read_once("/tmp", "new argument") and reads[-1] == "/tmp"        # a signature it does not know: passed on
+    odd = import_once.remembered(lambda path: {"reads": lambda: path})     # a table pickle cannot copy
+    assert odd("/tmp")["reads"]() == "/tmp" and odd("/tmp") is not odd("/tmp")   # read each time, as without
 
 
 # Counts, in a fresh process, how often each folder is read for real (not answered from memory).
