@@ -250,11 +250,13 @@ def _colour(label: str):
 
 
 def draw_timeline(traces, ax=None, title: str = "One training step per rank", unit: str = "ms",
-                  label_min_frac: float = 0.04):
+                  label_min_frac: float = 0.04, fit: bool = False):
     """Draw `trace_step` results (a list, one per rank) or one `simulate_step` result.
 
     Rows: "rank r compute" and "rank r comm" (or "compute" / "communication" for a simulation). Bars are
-    coloured by layer; forward bars solid, backward hatched, collectives outlined. Returns the Axes."""
+    coloured by layer; forward bars solid, backward hatched, collectives outlined. Bars of at least
+    `label_min_frac` of the step are named; fit=True names every bar, then keeps the names that fit inside their
+    bars as the axis is now (`fit_labels`). Returns the Axes."""
     import matplotlib.pyplot as plt
 
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
@@ -285,7 +287,7 @@ def draw_timeline(traces, ax=None, title: str = "One training step per rank", un
                            edgecolor="black" if comm else "none", linewidth=0.6,
                            hatch="//" if label.startswith("bwd") or "reduce" in label else None,
                            alpha=0.6 if comm else 0.9)
-            if width / span >= label_min_frac:
+            if fit or width / span >= label_min_frac:
                 short = label.replace("all_gather", "AG").replace("reduce_scatter", "RS") \
                              .replace("all_reduce", "AR").replace("layers.", "L")
                 ax.text((start + width / 2) * scale, y, short, ha="center", va="center", fontsize=7)
@@ -295,13 +297,20 @@ def draw_timeline(traces, ax=None, title: str = "One training step per rank", un
     ax.set_title(title)
     ax.grid(axis="x", alpha=0.3)
     _legend(ax, {label for _, bars in rows for _, _, label in bars})
+    if fit:
+        fit_labels(ax)
     return ax
 
 
 def fit_labels(ax) -> None:
     """Keep a bar's name only where it fits inside the bar, on a white ground over the bar's hatching. For a
     timeline drawn with label_min_frac=0 (every name), once the figure's size and limits are final."""
-    renderer = ax.figure.canvas.get_renderer()
+    canvas = ax.figure.canvas
+    if not hasattr(canvas, "get_renderer"):   # a closed figure (a dashboard's) keeps a bare canvas: measure with Agg
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        canvas = FigureCanvasAgg(ax.figure)
+    renderer = canvas.get_renderer()
     bars = [ax.transData.transform(c.get_paths()[0].get_extents().get_points()) for c in ax.collections
             if c.get_paths()]
     for text in list(ax.texts):

@@ -111,6 +111,10 @@ def test_fit_labels_keeps_the_names_that_fit_inside_their_bars():
         assert any(x0 <= box.x0 and box.x1 <= x1 for (x0, _), (x1, _) in bars), text.get_text()
         assert text.get_bbox_patch() is not None                 # on a white ground over the hatching
     plt.close(fig)
+    closed = plt.figure(figsize=(6, 2))                         # a dashboard's figure: closed, a bare canvas
+    plt.close(closed)
+    ax = timeline.draw_timeline(timeline.simulate_step(num_layers=6), ax=closed.add_subplot(), fit=True)
+    assert [t.get_text() for t in ax.texts] == [t.get_text() for t in kept]
 
 
 @pytest.fixture(scope="module")
