@@ -40,7 +40,7 @@ import time
 import weakref
 
 from . import call, introspect, launchers, shipped_code
-from .errors import running_text, status_table
+from .errors import status_table
 from .group import Group
 from .launchers.base import engine_pids
 from .launchers.remote import RemoteRank
@@ -462,21 +462,10 @@ class Cluster:
 
     def status(self, quiet: bool = False) -> list:
         """Per rank: pid, host, device, memory in use and what it runs right now; printed as a table."""
-        import socket
-
         with self._lock:
             if not self.running:
                 raise RuntimeError("the cluster is not running: call cluster.start() (or restart()) first.")
-            group = self._group
-            states = group.ask(list(range(self.world_size)))
-            rows = []
-            for r in range(self.world_size):
-                state = states.get(r) or {}
-                rows.append({"rank": r, "pid": group.procs[r].pid, "host": group.host_of(r) or socket.gethostname(),
-                             "device": group.info[r]["device"], "rss_bytes": state.get("rss"),
-                             "cuda_allocated_bytes": state.get("cuda_allocated"),
-                             "cuda_reserved_bytes": state.get("cuda_reserved"),
-                             "running": running_text(r, state, group.rank_alive(r))})
+            rows = self._group.status_rows(self.world_size)
         if not quiet:
             print(status_table(rows))
         return rows
@@ -485,19 +474,6 @@ class Cluster:
         """Write each rank's flight recorder dump, as torch's analyzer reads it, to `folder`/rank_<r>; works while
         ranks are stuck in a collective. Returns rank -> path for the ranks that answered. Analyze the folder with
         `torchfrtrace FOLDER -p rank_` (python -m torch.distributed.flight_recorder.fr_trace)."""
-        import base64
-        from pathlib import Path
-
         if not self.running:
             raise RuntimeError("the cluster is not running: call cluster.start() (or restart()) first.")
-        ranks = list(range(self.world_size)) if ranks is None else ranks
-        answers = self._group.ask(ranks, wait_s=wait_s,
-                                  request=f"{introspect.DUMP_REQUEST}{os.getpid()}-{time.monotonic_ns()}")
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        written = {}
-        for rank, answer in sorted(answers.items()):
-            if "fr_dump" in answer:
-                written[rank] = folder / f"rank_{rank}"
-                written[rank].write_bytes(base64.b64decode(answer["fr_dump"]))
-        return written
+        return self._group.write_dumps(folder, list(range(self.world_size)) if ranks is None else ranks, wait_s)

@@ -2,18 +2,22 @@
 
 A `Group` holds what one start of a cluster made: ipyparallel's cluster and client, each rank's engine id and
 process handle, what each rank's setup returned, the settings the ranks joined with, and the scratch folder.
-It answers for the ranks: which are alive, how a dead one exited, what each is doing (`ask`), and where a stuck
-one is (`stacks`). The cluster owns one; waiting on calls (fsdplab.runtime.call) and the launchers use it.
+It answers for the ranks: which are alive, how a dead one exited, what each is doing (`ask`, `status_rows`), where a
+stuck one is (`stacks`), and what each one's flight recorder holds (`write_dumps`). The cluster owns one;
+waiting on calls (fsdplab.runtime.call) and the launchers use it.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
+import socket
 import time
+from pathlib import Path
 
 from . import introspect
-from .errors import stack_of_thread
+from .errors import running_text, stack_of_thread
 from .launchers.remote import RemoteRank
 from .processes import alive
 
@@ -74,6 +78,33 @@ class Group:
         live = [r for r in ranks if r in self.procs and self.rank_alive(r)]
         return introspect.ask({r: self.procs[r].ask_target if isinstance(self.procs[r], RemoteRank)
                                else self.path(f"ask-rank{r}") for r in live}, wait_s=wait_s, request=request)
+
+    def status_rows(self, world_size: int) -> list:
+        """Per rank: pid, host, device, memory in use and what it runs right now (Cluster.status's rows)."""
+        states = self.ask(list(range(world_size)))
+        rows = []
+        for r in range(world_size):
+            state = states.get(r) or {}
+            rows.append({"rank": r, "pid": self.procs[r].pid, "host": self.host_of(r) or socket.gethostname(),
+                         "device": self.info[r]["device"], "rss_bytes": state.get("rss"),
+                         "cuda_allocated_bytes": state.get("cuda_allocated"),
+                         "cuda_reserved_bytes": state.get("cuda_reserved"),
+                         "running": running_text(r, state, self.rank_alive(r))})
+        return rows
+
+    def write_dumps(self, folder, ranks: list, wait_s: float) -> dict:
+        """Each rank's flight recorder dump in `folder`/rank_<r> (Cluster.flight_recorder_dumps): rank -> path,
+        for the ranks that answered."""
+        answers = self.ask(ranks, wait_s=wait_s,
+                           request=f"{introspect.DUMP_REQUEST}{os.getpid()}-{time.monotonic_ns()}")
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = {}
+        for rank, answer in sorted(answers.items()):
+            if "fr_dump" in answer:
+                written[rank] = folder / f"rank_{rank}"
+                written[rank].write_bytes(base64.b64decode(answer["fr_dump"]))
+        return written
 
     def signal(self, rank: int, sig) -> None:
         try:
