@@ -54,16 +54,12 @@ def reference_step(model, opt, tokens, targets) -> bool:
 def _sharded_tiny(seed: int):
     """On a rank: the lesson's tiny transformer, one FSDP2 unit per block and the root, and its AdamW."""
     import torch
-    from torch.distributed.fsdp import fully_shard
 
     from ..models import TinyConfig
     from ..ranks import device, mesh
-    from ..sharding import build_tiny
+    from ..sharding import apply_fsdp, build_tiny
 
-    model = build_tiny(TinyConfig(), seed=seed, device=device())
-    for block in model.layers:
-        fully_shard(block, mesh=mesh())
-    fully_shard(model, mesh=mesh())
+    model = apply_fsdp(build_tiny(TinyConfig(), seed=seed, device=device()), mesh(), reshard_after_forward=None)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -85,16 +81,21 @@ def _noted_step(run: dict, step_fn, step: int, seed: int) -> None:
     run["notes"].append({"changed": not bool((before == after).all()), "nan": bool(after.isnan().any())})
 
 
-def reference_run(steps: int = HANG_STEPS, seed: int = 0) -> dict:
-    """On a rank: `reference_step` for `steps` steps on a fresh sharded tiny model. Returns this rank's notes
-    (per step: changed, nan), final shards and device type."""
+def _result(run: dict) -> dict:
+    """On a rank: what a run leaves to compare: this rank's notes (per step: changed, nan), final shards and
+    device type."""
     from ..ranks import device, rank
 
+    return {"rank": rank(), "notes": run["notes"], "params": _shards(run["model"]), "device": device().type}
+
+
+def reference_run(steps: int = HANG_STEPS, seed: int = 0) -> dict:
+    """On a rank: `reference_step` for `steps` steps on a fresh sharded tiny model; its `_result`."""
     model, opt = _sharded_tiny(seed)
     run = {"model": model, "opt": opt, "notes": []}
     for step in range(steps):
         _noted_step(run, reference_step, step, seed)
-    return {"rank": rank(), "notes": run["notes"], "params": _shards(model), "device": device().type}
+    return _result(run)
 
 
 def begin_run(seed: int = 0) -> None:
@@ -111,9 +112,7 @@ def run_step(step_fn, step: int) -> None:
 
 def end_run() -> dict:
     """On a rank: what `reference_run` returns, for the learner's run; frees its model."""
-    from ..ranks import device, rank
-
-    result = {"rank": rank(), "notes": _RUN["notes"], "params": _shards(_RUN["model"]), "device": device().type}
+    result = _result(_RUN)
     _RUN.clear()
     return result
 
