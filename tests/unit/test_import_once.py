@@ -1,7 +1,8 @@
-"""Importing fsdplab first makes transformers read its model folder once, and the lazy import tables it builds
-are the ones transformers builds alone."""
+"""Importing fsdplab first makes transformers read its model folder once, and not again in the next process; the
+lazy import tables it builds are the ones transformers builds alone."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,18 +22,23 @@ tables = {name: {key: sorted(value) for key, value in sys.modules[name]._class_t
 print(json.dumps({"wrapped": wrapped, "tables": tables, "class": Qwen2ForCausalLM.__name__}))
 """
 
-def probe(first: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, first], capture_output=True, text=True, timeout=300)
+def in_fresh_process(code: str, *args: str, cache) -> str:
+    """The last line `code` prints in a fresh process whose fsdplab cache folder is `cache`'s."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return done.stdout.splitlines()[-1]
 
 
-def test_the_tables_are_the_ones_transformers_builds_alone():
-    alone, after_fsdplab = probe("transformers"), probe("fsdplab")
-    assert not alone["wrapped"] and after_fsdplab["wrapped"]
-    assert after_fsdplab["class"] == "Qwen2ForCausalLM"
-    for name in ("transformers", "transformers.models"):
-        assert after_fsdplab["tables"][name] == alone["tables"][name], name
+def test_the_tables_are_the_ones_transformers_builds_alone(tmp_path):
+    alone = json.loads(in_fresh_process(PROBE, "transformers", cache=tmp_path))
+    assert not list(tmp_path.rglob("*.pickle")), "transformers alone kept a table"
+    read, kept = (json.loads(in_fresh_process(PROBE, "fsdplab", cache=tmp_path)) for _ in range(2))
+    assert list((tmp_path / "fsdplab").glob("transformers-imports-*.pickle")), "no table kept on disk"
+    assert not alone["wrapped"] and read["wrapped"] and kept["wrapped"]
+    assert read["class"] == kept["class"] == "Qwen2ForCausalLM"
+    for name in ("transformers", "transformers.models"):       # read in the first process, loaded in the second
+        assert read["tables"][name] == alone["tables"][name] == kept["tables"][name], name
     assert len(alone["tables"]["transformers.models"]["modules"]) > 100     # the models folder, read
 
 
@@ -45,7 +51,7 @@ def test_the_models_folder_is_read_once():
         reads.append(path)
         return {"folder": {"nested": {"a"}}}
 
-    read_once = import_once.remembered(read)
+    read_once = import_once.remembered(read)                               # no disk: memory only
     first = read_once("/tmp")
     first["folder"]["nested"].add("changed by a caller")
     again = read_once("/tmp/")
@@ -60,11 +66,12 @@ COUNT = """
 import os
 import fsdplab.import_once as once
 original, reads = once.remembered, []
-def counting(read):
+def counting(read, disk):
     def counted(path):
         reads.append(os.path.realpath(path))
         return read(path)
-    return original(counted)
+    counted.__wrapped__ = read      # the stamp names transformers' reader
+    return original(counted, disk)
 once.remembered = counting
 import transformers.models
 models = os.path.realpath(os.path.join(os.path.dirname(transformers.__file__), "models"))
@@ -72,8 +79,29 @@ print(reads.count(models), len(reads), len(set(reads)))
 """
 
 
-def test_transformers_reads_its_models_folder_once_in_a_process():
-    done = subprocess.run([sys.executable, "-c", COUNT], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    models, reads, folders = map(int, done.stdout.split()[-3:])
-    assert models == 1 and reads == folders > 100, done.stdout        # every folder once (without: models twice)
+def test_transformers_reads_its_models_folder_once_then_not_in_the_next_process(tmp_path):
+    models, reads, folders = map(int, in_fresh_process(COUNT, cache=tmp_path).split())
+    assert models == 1 and reads == folders > 100, (models, reads, folders)   # every folder once (without: twice)
+    assert in_fresh_process(COUNT, cache=tmp_path).split() == ["0", "0", "0"]   # the tables kept on disk
+
+
+def test_a_changed_file_is_read_again_and_a_broken_table_too(tmp_path):
+    from fsdplab import import_once
+
+    folder, disk, reads = tmp_path / "pkg", tmp_path / "cache", []
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "a.py").write_text("__all__ = ['A']")
+
+    def read(path):
+        reads.append(path)
+        return {"sub": {"A"}, "reads": len(reads)}
+
+    def in_a_new_process():
+        return import_once.remembered(read, disk)(str(folder))
+
+    assert in_a_new_process() == in_a_new_process() == {"sub": {"A"}, "reads": 1}     # read once, then loaded
+    (folder / "sub" / "a.py").write_text("__all__ = ['A', 'B']")                      # an edit (a new size): read again
+    assert in_a_new_process()["reads"] == 2 and in_a_new_process()["reads"] == 2
+    [kept] = disk.glob("transformers-imports-*.pickle")                                 # the stale one removed
+    kept.write_bytes(kept.read_bytes()[:10])                                            # cut short: read again
+    assert in_a_new_process()["reads"] == 3 and in_a_new_process()["reads"] == 3
