@@ -5,8 +5,9 @@
   model's step from a trace of a few blocks, allocator replays it through a model of the CUDA caching
   allocator, offload_view and local_shards are what stays on the GPU and what one rank holds
 - formula: the analytic model (`formula`, `spec_of`), instant; report: `MemoryReport`, the answer
-- sweep: many settings at once (`Sweep`, `start_estimates`); workers: the one way an estimate runs in
-  another process; cache: one `fsdplab run`'s estimates, made once
+- checks: what the estimator rejects, said with the fix; sweep: many settings at once (`Sweep`,
+  `start_estimates`); workers: the one way an estimate runs in another process; cache: one `fsdplab run`'s
+  estimates, made once
 - published, gpu_measured: peaks measured on real GPUs, with their sources
 """
 

@@ -25,6 +25,7 @@ from . import cache, ddp
 from .. import custom as custom_model
 from ..custom import custom_of
 from .allocator import allocator_view
+from .checks import explained
 from .._torch_private import CATEGORIES
 from .report import CATEGORY_LABELS, MemoryReport
 from ..settings import EXACT_STRATEGIES, FSDP1_STRATEGIES, GIB, MIB, TrainSetting, as_setting, check_choice
@@ -430,7 +431,8 @@ def _trace_steps(setting: TrainSetting, config, say, state_only_first: bool, lab
         # (FSDP2's meta-device init, half the time of sharding fake tensors) and materialised as fake tensors
         # by to_empty, after which FSDP2 re-pads the shards, as it does for real runs built on meta.
         custom = custom_of(config)
-        net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
+        with explained(setting):         # the errors fsdplab.memory.checks says what to do about
+            net = build_model(setting.replace(model=config), device="meta", dtype=setting.base_dtype)
         say("model built on the meta device" + (f" ({config.num_hidden_layers} of {repeat_to} blocks)"
                                                  if repeat_to else ""))
         units = custom_model.blocks(custom, net) if custom else None

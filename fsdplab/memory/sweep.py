@@ -1,12 +1,10 @@
 """Exact estimates over a grid of sequence lengths, micro-batches and world sizes: "which of these runs fit on
 my GPUs?" as a table, one JSON object or a heat map.
 
-`check(setting)` rejects what would only fail minutes into a run (a sequence longer than the model's
-positions, LoRA targets that match no module, an architecture transformers cannot build), by building the
-model on the meta device once. `sweep(...)` then estimates every point in worker processes, one per core:
-each estimate is single-threaded Python dispatch on fake tensors, so two processes on two cores take about half
-the time of one, and a worker that stays up pays the cold start (imports, first-call set-up: about 10 s at 7B)
-once, not once per point.
+`sweep(...)` checks the setting first (fsdplab.memory.checks), then estimates every point in worker processes,
+one per core: each estimate is single-threaded Python dispatch on fake tensors, so two processes on two cores
+take about half the time of one, and a worker that stays up pays the cold start (imports, first-call set-up:
+about 10 s at 7B) once, not once per point.
 """
 
 from __future__ import annotations
@@ -16,62 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from . import block_repeat
+from .checks import check
 from ..settings import GIB, MIB, TrainSetting
-
-
-# --- checks before any estimate runs -----------------------------------------------------------------------
-
-def check(setting: TrainSetting) -> None:
-    """ValueError, with the fix, for a setting the estimator would reject late or confusingly."""
-    from ..custom import custom_of
-    from ..models import architecture_of, config_of
-    from ..sharding import build_model
-
-    config = config_of(setting.model)
-    custom = custom_of(config)
-    if custom is not None:
-        try:
-            build_model(setting, device="meta", dtype=setting.base_dtype)
-        except ValueError:
-            raise                        # the lab's own refusals say what to do already
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ValueError(f"{custom.name}: building it on the meta device failed ({type(e).__name__}: {first}); "
-                             "build() must make the module without reading weights (no .item(), no file).") from None
-        return
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and setting.seq_len > limit:
-        raise ValueError(f"seq_len {setting.seq_len} is over the model's maximum ({limit} positions, "
-                         f"max_position_embeddings): use --seq-len {limit} or less.")
-    # a deep stack of identical blocks is built as the estimate's traced twin (fsdplab.memory.block_repeat): the
-    # same modules fail the same way, and peft's adapters on 80 blocks are half a second of a 70B LoRA estimate
-    twin = block_repeat.shallow_twin(setting, config)
-    try:
-        build_model(setting if twin is None else setting.replace(model=twin), device="meta", dtype=setting.base_dtype)
-    except Exception as e:
-        if isinstance(e, ValueError) and "not found in the base model" in str(e):  # peft: targets match nothing
-            from ..sharding import lora_target_modules
-
-            names = sorted(_linear_names(setting))
-            raise ValueError(f"LoRA targets {lora_target_modules(setting.lora_targets)} match no module of "
-                             f"{architecture_of(config)}; its Linear layers are {', '.join(names)}: pass some of "
-                             "these, comma-separated, or --lora-targets all-linear."
-                             ) from None
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"transformers cannot build {architecture_of(config)} on the meta device "
-                         f"({type(e).__name__}: {first}); check the config.") from None
-
-
-def _linear_names(setting: TrainSetting) -> set:
-    """Names of the Linear layers inside the blocks (what LoRA targets), from a meta build without LoRA."""
-    from torch import nn
-
-    from ..models import blocks_of, causal_lm
-
-    model = causal_lm(setting.model)
-    return {name.rsplit(".", 1)[-1] for block in blocks_of(model)[:1]
-            for name, module in block.named_modules() if isinstance(module, nn.Linear)}
 
 
 # --- the grid ---------------------------------------------------------------------------------------------------

@@ -308,8 +308,8 @@ def main(argv=None) -> int:
     est.error = _one_line_error(est)
 
     args = parser.parse_args(argv)
-    if args.command != "estimate":        # an estimate resumes once its model's module is imported
-        collector.resume()
+    if args.command != "estimate":        # an estimate resumes itself: a sweep before its workers start, one
+        collector.resume()                #   setting after the estimate (its build imports the model's module)
     try:
         if args.command == "lab":
             return lab_module.lab_command(args)

@@ -42,7 +42,8 @@ def estimate_command(args) -> int:
     comma lists, --sweep or --plot -> every combination, as a table, one JSON object, or a heat map."""
     # deferred: the estimator and the model registry import torch and transformers, which --help does not need
     from ..memory.exact import estimate
-    from ..memory.sweep import check, sweep
+    from ..memory.checks import check
+    from ..memory.sweep import sweep
     from ..models import resolve_model
 
     # Every flag is checked here, before the model is loaded or any estimate starts.
@@ -106,14 +107,16 @@ def estimate_command(args) -> int:
         if args.plot and not args.json:
             print(f"heat map: {args.plot}")
         return 0
-    check(setting)                    # imports the model's module and builds it on the meta device
-    collector.resume()
+    check(setting, build=False)       # the estimate's build says what is wrong with the model (checks.explained)
+    # The collector stays paused through the estimate: its model's build imports the model's module and peft (a
+    # collection on would scan what they make, again and again), and its own cycles are a few MB at most.
     if args.memory_snapshot:
         from ..memory.exact import memory_snapshot
 
         report = memory_snapshot(setting, args.memory_snapshot, progress=not args.json)
     else:
         report = estimate(setting, progress=not args.json)
+    collector.resume()                # the collection at exit skips what the estimate made
     if args.json:
         data = report.to_dict()
         data.update(gpu_mem_gib=args.gpu_mem_gib, fits=report.fits(args.gpu_mem_gib))

@@ -4,7 +4,8 @@ imports, then told to leave what exists by then alone (gc.freeze).
 Those objects (about 700,000 for torch, transformers and peft: modules, classes, functions) live until the process
 exits, yet each full collection scans them all again. Three kinds of process do this: the `fsdplab` command
 (a 7B `fsdplab estimate` on 2 cores spent about 1.5 s in collections during its imports and the final one at exit;
-benchmarks/README.md, "The estimator"), the run's fork server before it forks ranks and kernels (a fork's
+benchmarks/README.md, "The estimator"; one estimate keeps it paused through the estimate, whose model's build
+imports the model's module and peft), the run's fork server before it forks ranks and kernels (a fork's
 collections would otherwise write to those pages and copy them into every fork), and the estimator's workers.
 A test or a notebook that calls `fsdplab.runner.cli.main()` keeps its collector as it was.
 """

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import fsdplab.memory.checks
 import fsdplab.memory.exact
 import fsdplab.memory.sweep
 from fsdplab.runner import cli
@@ -117,7 +118,7 @@ def _no_work(*args, **kwargs):
 def no_work(monkeypatch):
     """The estimator, the sweep, the meta-device check and the lesson runner fail if called."""
     for module, name in ((fsdplab.memory.exact, "estimate"), (fsdplab.memory.exact, "memory_snapshot"),
-                         (fsdplab.memory.sweep, "sweep"), (fsdplab.memory.sweep, "check"), (cli, "run_lessons")):
+                         (fsdplab.memory.sweep, "sweep"), (fsdplab.memory.checks, "check"), (cli, "run_lessons")):
         monkeypatch.setattr(module, name, _no_work)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 

@@ -76,3 +76,34 @@ def test_a_sweep_of_a_custom_model_gives_each_point_its_own_estimate():
     swept = estimate_group([base.replace(seq_len=32), base])
     alone = estimate(base, progress=False, subprocess_mode=False)
     assert (swept[1].peak_bytes, swept[1].category_peaks) == (alone.peak_bytes, alone.category_peaks)
+
+
+READS_A_WEIGHT = """
+import torch
+from torch import nn
+
+from fsdplab.custom import CustomModel
+
+
+def build():
+    layer = nn.Linear(4, 4)
+    layer.weight.data *= 1 / layer.weight.abs().max().item()    # reads a value: no module on the meta device
+    return layer
+
+
+def model():
+    return CustomModel(build=build, batch=lambda batch_size, seq_len: (torch.ones(batch_size, 4),),
+                       loss=lambda model, batch: model(*batch).sum(), name="reads a weight")
+"""
+
+
+@pytest.mark.parametrize("points", [[], ["--batch-size", "1,2"]], ids=["one estimate", "a sweep"])
+def test_a_module_that_reads_a_weight_while_built_is_refused_with_the_way_out(points, tmp_path, monkeypatch,
+                                                                                capsys):
+    from fsdplab.runner.cli import main
+
+    (tmp_path / "reads_a_weight.py").write_text(READS_A_WEIGHT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["estimate", "--model", "reads_a_weight:model", "--world-size", "2", *points, "--json"]) != 0
+    err = capsys.readouterr().err
+    assert "reads a weight: building it on the meta device failed" in err and "no .item()" in err, err
