@@ -80,3 +80,35 @@ def test_without_a_group_the_error_says_where_to_call_it(monkeypatch):
     monkeypatch.setitem(on_rank.STATE, "now", None)
     with pytest.raises(RuntimeError, match=r"init_process_group"):
         ranks.rank()
+
+
+# A script's rank state holds torch's default group weakly: destroy_process_group frees it as in a script without
+# fsdplab, and what the state made for it (meshes, subgroups) is dropped before the interpreter's finalization.
+# (Held to the end, a gloo group torn down in finalization aborted a torchrun rank as it exited, now and then.)
+HOLDS_NO_GROUP = textwrap.dedent("""
+    import atexit, sys, weakref
+    import torch.distributed as dist
+    world = []
+    # registered before fsdplab is imported, so it runs after fsdplab's own exit handler
+    atexit.register(lambda: print("at exit: group alive", world[0]() is not None, flush=True))
+    from fsdplab import ranks
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+    world.append(weakref.ref(dist.group.WORLD))
+    ranks.rank()
+    if sys.argv[1] == "mesh":
+        ranks.mesh()
+    dist.destroy_process_group()
+    print("after destroy: state kept", bool(ranks._SCRIPT), flush=True)
+""")
+
+
+@pytest.mark.parametrize("calls", ["rank", "mesh"])
+def test_a_scripts_rank_state_lets_its_group_go(calls):
+    proc = subprocess.run([sys.executable, "-c", HOLDS_NO_GROUP, calls], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    if calls == "rank":
+        assert lines == ["after destroy: state kept False", "at exit: group alive False"]
+    else:                                   # a DeviceMesh keeps the group alive until the state lets it go at exit
+        assert lines[-1] == "at exit: group alive False", lines
