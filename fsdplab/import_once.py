@@ -16,6 +16,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import pickle
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 MODULE = "transformers.utils.import_utils"
 FUNCTION = "create_import_structure_from_path"
 PREFIX = "transformers-imports-"
+KEPT_NAME = re.compile(re.escape(PREFIX) + r"[0-9a-f]{12}-[0-9a-f]{24}\.pickle")   # what `remembered` writes
 
 
 def cache_dir() -> Path:
@@ -49,28 +51,36 @@ def stamp(folder: str, reader_file: str) -> str:
 
 
 def _load(path: Path):
+    """(the kept bytes, their table), or (None, None) for no file or a broken one (a file cut short by a full
+    disk is read again, not trusted)."""
     try:
         data = path.read_bytes()
-        pickle.loads(data)                 # a file cut short by a full disk is read again, not trusted
-        return data
+        return data, pickle.loads(data)
     except Exception:  # noqa: BLE001 - no file, or a broken one: read the folder as without the cache
-        return None
+        return None, None
 
 
 def _keep(path: Path, data: bytes) -> None:
     """Write `data` to `path` whole (a parallel process reads the old file or the new one), and drop the tables
-    of the same folder with another stamp (an upgraded transformers' old ones). Nothing if it cannot."""
+    of the same folder with another stamp (an upgraded transformers' old ones): only regular files named as this
+    module names them, never a link or anything else in the folder. Nothing if it cannot."""
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as out:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-" + PREFIX, delete=False) as out:
+            temporary = out.name
             out.write(data)
-        os.replace(out.name, path)
-        folder_part = path.name.rsplit("-", 1)[0] + "-"
-        for old in path.parent.glob(folder_part + "*.pickle"):
-            if old != path:
+        os.replace(temporary, path)
+        temporary = None
+        folder_part = path.name.rsplit("-", 1)[0]
+        for old in path.parent.glob(folder_part + "-*.pickle"):
+            if old != path and KEPT_NAME.fullmatch(old.name) and old.is_file() and not old.is_symlink():
                 old.unlink(missing_ok=True)
     except OSError:
         pass
+    finally:
+        if temporary is not None:                  # the write or the rename failed: no half file left behind
+            Path(temporary).unlink(missing_ok=True)
 
 
 def remembered(read, disk: Path | None = None):
@@ -85,23 +95,23 @@ def remembered(read, disk: Path | None = None):
 
     def from_disk(folder):
         if disk is None or reader_file is None or not os.path.isfile(reader_file):
-            return None, None
+            return None, None, None
         try:
             name = hashlib.sha256(folder.encode()).hexdigest()[:12]
             path = disk / f"{PREFIX}{name}-{stamp(folder, reader_file)}.pickle"
         except OSError:
-            return None, None
-        return _load(path), path
+            return None, None, None
+        return (*_load(path), path)
 
     def read_once(module_path, *args, **kwargs):
         if depth[0] or args or kwargs or not isinstance(module_path, (str, os.PathLike)):
             return read(module_path, *args, **kwargs)     # a subfolder inside its parent's read, or a new signature
         folder = os.path.realpath(os.path.dirname(module_path) if os.path.isfile(module_path) else module_path)
         if folder not in tables:
-            kept, path = from_disk(folder)
+            kept, table, path = from_disk(folder)
             if kept is not None:
                 tables[folder] = kept
-                return pickle.loads(kept)
+                return table
             depth[0] += 1
             try:
                 table = read(folder)

@@ -21,7 +21,6 @@ def check(setting: TrainSetting, build: bool = True) -> None:
     only what needs no model built (the estimate's own build says the rest, `explained`)."""
     from ..custom import custom_of
     from ..models import config_of
-    from ..sharding import build_model
 
     config = config_of(setting.model)
     custom = custom_of(config)
@@ -31,6 +30,8 @@ def check(setting: TrainSetting, build: bool = True) -> None:
             raise ValueError(f"seq_len {setting.seq_len} is over the model's maximum ({limit} positions, "
                              f"max_position_embeddings): use --seq-len {limit} or less.")
     if build:
+        from ..sharding import build_model
+
         twin = None if custom is not None else block_repeat.shallow_twin(setting, config)
         with explained(setting):
             build_model(setting if twin is None else setting.replace(model=twin), device="meta",

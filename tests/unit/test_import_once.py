@@ -105,3 +105,23 @@ def test_a_changed_file_is_read_again_and_a_broken_table_too(tmp_path):
     [kept] = disk.glob("transformers-imports-*.pickle")                                 # the stale one removed
     kept.write_bytes(kept.read_bytes()[:10])                                            # cut short: read again
     assert in_a_new_process()["reads"] == 3 and in_a_new_process()["reads"] == 3
+
+
+def test_a_new_table_removes_only_the_old_tables_it_wrote(tmp_path):
+    from fsdplab import import_once
+
+    folder, disk, yours = tmp_path / "pkg", tmp_path / "cache", tmp_path / "yours.pickle"
+    folder.mkdir()
+    (folder / "a.py").write_text("__all__ = ['A']")
+    yours.write_bytes(b"a user's file")
+    import_once.remembered(lambda path: {"a": 1}, disk)(str(folder))
+    [first] = disk.glob("transformers-imports-*.pickle")
+    folder_part = first.name.rsplit("-", 1)[0]
+    link = disk / f"{folder_part}-{'0' * 24}.pickle"            # named like a stale table, a link to a user's file
+    link.symlink_to(yours)
+    other = disk / f"{folder_part}-notes.pickle"                  # not a name this module writes
+    other.write_bytes(b"kept")
+    (folder / "a.py").write_text("__all__ = ['A', 'B']")          # a new stamp: a new table, the old one dropped
+    import_once.remembered(lambda path: {"a": 2}, disk)(str(folder))
+    assert not first.exists() and link.is_symlink() and yours.read_bytes() == b"a user's file"
+    assert other.read_bytes() == b"kept" and not list(disk.glob(".tmp-*"))
